@@ -1,0 +1,326 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+Each option file in ``conf/<group>/`` starts with ``defaults: [base_<schema>]``, so a misspelt key or a
+wrong type fails at composition with the key named, before any model is loaded. Cross-group rules that a
+per-group schema cannot see are checked by ``validate`` before any expensive work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot run; the message is one line that says what to change."""
+
+
+# Enums make OmegaConf reject a wrong value at composition and list the allowed ones; the str mixin keeps
+# them equal to their names for the code they are passed to.
+class LossType(str, Enum):
+    grpo = "grpo"
+    bnpo = "bnpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+
+
+class ScaleRewards(str, Enum):
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class ISLevel(str, Enum):
+    token = "token"
+    sequence = "sequence"
+
+
+class Estimator(str, Enum):
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class Normalisation(str, Enum):
+    minmax = "minmax"
+    rank = "rank"
+    zscore = "zscore"
+
+
+class SurprisalSource(str, Enum):
+    policy = "policy"
+    ref = "ref"
+
+
+class VllmMode(str, Enum):
+    colocate = "colocate"
+    server = "server"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+# ---------------------------------------------------------------- model
+@dataclass
+class LoraConfig:
+    r: int = field(default=8, metadata={"help": "LoRA rank"})
+    alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (alpha / r)"})
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class SFTStageConfig:
+    """Supervised stage for base models; its merged output is the RL start AND the reference policy."""
+
+    data: Any = field(default=MISSING, metadata={"help": "_target_ returning a Dataset(prompt, completion)"})
+    epochs: float = 2.0
+    learning_rate: float = 2e-4
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    weight_decay: float = 0.01
+    warmup_steps: int = 5
+    lr_scheduler_type: str = "linear"
+    optim: str = "adamw_torch"
+    max_length: int = 2048
+    max_steps: int = field(default=-1, metadata={"help": "-1: run the full epochs"})
+    seed: int = 3407
+
+
+@dataclass
+class ModelConfig:
+    source: Any = field(default=MISSING, metadata={"help": "_target_ returning a local path or hub id"})
+    chat: bool = field(default=True, metadata={"help": "prompts as system+user chat (False: bare text)"})
+    dtype: DType = DType.bfloat16
+    lora: LoraConfig | None = field(default=None, metadata={"help": "None: full fine-tuning"})
+    max_completion_length: int = 2048
+    sft: SFTStageConfig | None = field(default=None, metadata={"help": "None: no SFT stage"})
+
+
+# ---------------------------------------------------------------- data
+@dataclass
+class ArithDataConfig:
+    _target_: str = "sage.testbed.task.arith_dataset"
+    n: int = 2000
+    seed: int = 0
+
+
+@dataclass
+class MathDataConfig:
+    _target_: str = "sage.data.math_prompts"
+    source: str = MISSING
+    split: str = "train"
+    problem_field: str = "prompt"
+    answer_field: str = "solution"
+    limit: int | None = 2000
+
+
+# ---------------------------------------------------------------- algorithm (TRL's own knobs)
+@dataclass
+class AlgorithmConfig:
+    loss_type: LossType = field(default=LossType.grpo, metadata={"help": "TRL's aggregation rule"})
+    scale_rewards: ScaleRewards = field(default=ScaleRewards.group, metadata={"help": "Dr.GRPO: none"})
+    epsilon: float = 0.2
+    epsilon_high: float | None = field(default=None, metadata={"help": "None: = epsilon; DAPO 0.28"})
+    importance_sampling_level: ISLevel = field(default=ISLevel.token, metadata={"help": "GSPO: sequence"})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "DAPO's overlong masking"})
+    num_iterations: int = 1
+    steps_per_generation: int | None = None
+
+
+# ---------------------------------------------------------------- divergence
+@dataclass
+class ReverseKLConfig:
+    _target_: str = "sage.divergences.ReverseKL"
+    beta: float = 0.05
+    estimator: Estimator = field(default=Estimator.k3, metadata={"help": "see sage/divergences.py"})
+
+
+@dataclass
+class ForwardKLConfig:
+    _target_: str = "sage.divergences.ForwardKL"
+    beta: float = 0.05
+
+
+@dataclass
+class NoDivergenceConfig:
+    _target_: str = "sage.divergences.NoDivergence"
+    beta: float = 0.0
+
+
+# ---------------------------------------------------------------- guide
+@dataclass
+class NoGuideConfig:
+    _target_: str = "sage.guides.NoGuide"
+
+
+@dataclass
+class RandomGuideConfig:
+    _target_: str = "sage.guides.RandomGuide"
+    _partial_: bool = True  # the trainer supplies the schedule
+    eps_start: float = 0.1
+    eps_end: float = 0.0
+    sigma_start: float = 0.15
+    sigma_end: float = 0.05
+    q_min: float = 0.6
+    q_max: float = 1.4
+    seed: int = 0
+
+
+@dataclass
+class TokenGuideConfig:
+    _target_: str = "sage.guides.TokenGuide"
+    _partial_: bool = True
+    alpha_start: float = 0.3
+    alpha_end: float = 0.1
+    sigma_start: float = 0.25
+    sigma_end: float = 0.1
+    normalisation: Normalisation = Normalisation.minmax
+    source: SurprisalSource = field(default=SurprisalSource.policy, metadata={"help": "whose surprisal"})
+    q_min: float = 0.6
+    q_max: float = 1.4
+    seed: int = 0
+
+
+@dataclass
+class BranchGuideConfig:
+    _target_: str = "sage.guides.BranchGuide"
+    ratio: float = 0.3
+    threshold: float = 1.2
+    q_min: float = 0.6
+    q_max: float = 1.4
+
+
+# ---------------------------------------------------------------- schedule
+@dataclass
+class ConstantScheduleConfig:
+    _target_: str = "sage.schedules.ConstantSchedule"
+
+
+@dataclass
+class CosineScheduleConfig:
+    _target_: str = "sage.schedules.CosineSchedule"
+    _partial_: bool = True  # the trainer supplies max_steps
+    cycles: int = 8
+    decay: float = 0.9
+
+
+# ---------------------------------------------------------------- rollout
+@dataclass
+class RolloutConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = 0.01
+    use_vllm: bool = False
+    vllm_mode: VllmMode = VllmMode.colocate
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_tensor_parallel_size: int = 1
+
+
+# ---------------------------------------------------------------- eval
+@dataclass
+class EvalConfig:
+    datasets: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "name -> _target_ returning rows {id, problem, answer}"}
+    )
+    n_samples: int = 64
+    ks: list[int] = field(default_factory=lambda: [1, 8, 64])
+    limit: int | None = field(default=None, metadata={"help": "first N problems of each dataset"})
+    seeds: list[int] = field(default_factory=lambda: [0])
+    temperature: float = 0.3
+    top_p: float = 0.95
+    max_new_tokens: int | None = field(default=None, metadata={"help": "None: model.max_completion_length"})
+    batch_size: int = field(default=512, metadata={"help": "sequences per generate call (CPU backend)"})
+    at_end: bool = field(default=True, metadata={"help": "evaluate base and trained model after training"})
+
+
+# ---------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    learning_rate: float = 1e-4
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    gradient_accumulation_steps: int = 1
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    lr_scheduler_type: str = "linear"
+    optim: str = "adamw_torch"
+    max_grad_norm: float = 1.0
+    save_steps: int = 50
+    save_total_limit: int | None = 2
+    logging_steps: int = 1
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: Any = MISSING
+    algorithm: AlgorithmConfig = MISSING
+    divergence: Any = MISSING
+    guide: Any = MISSING
+    schedule: Any = MISSING
+    rollout: RolloutConfig = MISSING
+    eval: EvalConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    seed: int = 0
+    output_dir: str | None = field(default=None, metadata={"help": "None: Hydra's run (or sweep job) dir"})
+    resume: bool = field(default=False, metadata={"help": "continue from output_dir's last checkpoint"})
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_train", node=TrainConfig)
+    for group, name, node in [
+        ("model", "base_model", ModelConfig),
+        ("data", "base_arith", ArithDataConfig),
+        ("data", "base_math", MathDataConfig),
+        ("algorithm", "base_algorithm", AlgorithmConfig),
+        ("divergence", "base_reverse_kl", ReverseKLConfig),
+        ("divergence", "base_forward_kl", ForwardKLConfig),
+        ("divergence", "base_none", NoDivergenceConfig),
+        ("guide", "base_none", NoGuideConfig),
+        ("guide", "base_random", RandomGuideConfig),
+        ("guide", "base_token", TokenGuideConfig),
+        ("guide", "base_branch", BranchGuideConfig),
+        ("schedule", "base_constant", ConstantScheduleConfig),
+        ("schedule", "base_cosine", CosineScheduleConfig),
+        ("rollout", "base_rollout", RolloutConfig),
+        ("eval", "base_eval", EvalConfig),
+        ("trainer", "base_trainer", TrainerConfig),
+    ]:
+        cs.store(group=group, name=name, node=node)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-group rules, checked before anything expensive; each failure is one line."""
+    if cfg.guide._target_ != NoGuideConfig._target_ and cfg.divergence.beta == 0:
+        raise ConfigError(
+            f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
+            "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
+        )
+    if cfg.rollout.use_vllm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine")
+    t = cfg.trainer
+    if (t.prompts_per_step * t.num_generations) % t.num_generations:
+        raise ConfigError("trainer.prompts_per_step * num_generations must be divisible by num_generations")
+    if t.num_generations < 2:
+        raise ConfigError(f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})")
+    for k in cfg.eval.ks:
+        if not 1 <= k <= cfg.eval.n_samples:
+            raise ConfigError(f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}")

@@ -1,0 +1,105 @@
+"""Per-token divergence terms between the policy and the (shaped) anchor m = q * pi_ref.
+
+Every term has two separate duties (SAGE.md section 2) and each function documents both:
+- VALUE: what the returned tensor's forward value estimates (that is what we log);
+- GRADIENT: what its gradient estimates in expectation when tokens are sampled on-policy.
+Where the pathwise gradient of the value estimator is not the gradient we want (forward KL), the term is
+built as ``value.detach() + (surrogate - surrogate.detach())`` so the forward value and the gradient are
+each the documented one.
+
+Shapes: ``logp`` and ``ref_logp`` are (B, T) log-probs of the sampled tokens; ``ref_logp`` is
+log pi_ref(y_t) + log q_t and carries no gradient. The result is (B, T); the caller masks and aggregates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """log pi - log m.
+    VALUE: unbiased for sum_y pi log(pi/m) (= KL(pi||m) when m is normalised; the pseudo-KL adds 1 - sum m).
+    GRADIENT: grad log pi, whose on-policy expectation is ZERO: as a loss k1 does not regularise."""
+    return logp - ref_logp
+
+
+def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """0.5 * (log pi - log m)^2.
+    VALUE: a biased, low-variance surrogate, 0.5 E[(log pi/m)^2] (second-order match to KL near pi = m).
+    GRADIENT: E[(log pi/m) grad log pi] = grad of the REVERSE pseudo-KL KL~(pi || m), exactly."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """exp(d) - d - 1 with d = log m - log pi (Schulman's k3; TRL's GRPO term when q == 1).
+    VALUE: >= 0, unbiased for the reverse pseudo-KL KL~(pi || m) = sum pi log(pi/m) - 1 + sum m.
+    GRADIENT: E[(1 - m/pi) grad log pi] = -sum m grad log pi = grad of the FORWARD KL(m || pi),
+    not of the reverse KL it reports (a known property; see the enumeration tests)."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1
+
+
+def forward_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Forward KL(m || pi) from on-policy samples, with r = m / pi.
+    VALUE: r log r - r + 1 >= 0, unbiased for sum m log(m/pi) - sum m + 1 (= KL(m||pi) for normalised m).
+    GRADIENT: that of -stopgrad(r) log pi, i.e. -sum m grad log pi = grad KL(m || pi). The pathwise
+    gradient of the value estimator (-r log r grad log pi) would be wrong, so it is not used."""
+    log_r = ref_logp - logp
+    r = torch.exp(log_r)
+    value = r * log_r - r + 1
+    surrogate = -r.detach() * logp
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+@dataclass(frozen=True)
+class ReverseKL:
+    """beta * KL~(pi || q pi_ref): GRPO's leash (q == 1) or SAGE's shaped leash (any guide)."""
+
+    beta: float
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"divergence.beta must be > 0 for reverse_kl (got {self.beta}); use divergence=none")
+        if self.estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"divergence.estimator must be one of k1, k2, k3 (got {self.estimator!r})")
+
+    def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        match self.estimator:
+            case "k1":
+                return k1(logp, ref_logp)
+            case "k2":
+                return k2(logp, ref_logp)
+            case _:
+                return k3(logp, ref_logp)
+
+
+@dataclass(frozen=True)
+class ForwardKL:
+    """beta * KL(q pi_ref || pi): mass-covering anchor (the paper's 'GRPO + forward KL' baseline)."""
+
+    beta: float
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"divergence.beta must be > 0 for forward_kl (got {self.beta}); use divergence=none")
+
+    def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        return forward_kl(logp, ref_logp)
+
+
+@dataclass(frozen=True)
+class NoDivergence:
+    """No anchor ('GRPO w/o KL'). TRL then loads no reference model, so KL-to-reference is not logged."""
+
+    beta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.beta != 0:
+            raise ValueError(f"divergence.beta must be 0 for divergence=none (got {self.beta})")
+
+    def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("divergence=none has no per-token term; the trainer must not call it")

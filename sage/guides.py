@@ -1,0 +1,173 @@
+"""Guides q_t > 0 that reshape the anchor: pi_ref -> q * pi_ref, per token (SAGE.md section 3).
+
+A guide is computed from signals of the forward pass TRL already runs (sampled-token log-probs and
+next-token entropies), is detached (no gradient flows through q), is clamped to [q_min, q_max] and is 1
+on padding. Pure functions do the maths; the small classes hold hyperparameters and the schedule.
+
+Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Schedule = Callable[[float, float, int], float]
+Normalisation = Literal["minmax", "rank", "zscore"]
+
+
+def finalize(q: torch.Tensor, mask: torch.Tensor, q_min: float, q_max: float) -> torch.Tensor:
+    """Clamp to [q_min, q_max] and set padding to exactly 1 (log q = 0 there)."""
+    return torch.where(mask.bool(), q.clamp(q_min, q_max), torch.ones_like(q))
+
+
+def random_q(mask: torch.Tensor, eps: float, sigma: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Eq. 9: with probability eps, q_t = 1 + sigma * N(0, 1); otherwise 1 (before clamping)."""
+    active = torch.rand(mask.shape, generator=generator, device="cpu") < eps  # (B, T)
+    noise = torch.randn(mask.shape, generator=generator, device="cpu")  # (B, T)
+    q = torch.where(active, 1.0 + sigma * noise, torch.ones_like(noise))
+    return q.to(mask.device)
+
+
+def normalise_per_sequence(x: torch.Tensor, mask: torch.Tensor, method: Normalisation) -> torch.Tensor:
+    """Map x to [0, 1] within each sequence over its valid tokens (padding gets 0).
+
+    minmax: min-max after clipping to the sequence's 5%-95% quantiles (robust to one huge surprisal);
+    rank: rank / (n - 1); zscore: sigmoid of the z-score. A constant sequence maps to 0 (minmax, zscore
+    would give 0.5: we return 0 for every method so that 'no signal' means 'no shaping')."""
+    valid = mask.bool()  # (B, T)
+    xs = x.masked_fill(~valid, float("nan"))
+    if method == "minmax":
+        lo = torch.nanquantile(xs, 0.05, dim=1, keepdim=True)  # (B, 1)
+        hi = torch.nanquantile(xs, 0.95, dim=1, keepdim=True)
+        span = hi - lo
+        w = (torch.minimum(torch.maximum(x, lo), hi) - lo) / span.clamp_min(1e-12)
+        w = torch.where(span > 1e-12, w, torch.zeros_like(w))
+    elif method == "rank":
+        ranks = xs.nan_to_num(float("inf")).argsort(dim=1).argsort(dim=1).to(x.dtype)  # (B, T)
+        n = valid.sum(dim=1, keepdim=True).to(x.dtype)
+        w = ranks / (n - 1).clamp_min(1.0)
+    elif method == "zscore":
+        n = valid.sum(dim=1, keepdim=True).clamp_min(1)
+        mean = xs.nan_to_num(0.0).sum(dim=1, keepdim=True) / n
+        var = ((x - mean) ** 2 * valid).sum(dim=1, keepdim=True) / n
+        std = var.sqrt()
+        w = torch.sigmoid((x - mean) / std.clamp_min(1e-12))
+        w = torch.where(std > 1e-12, w, torch.zeros_like(w))
+    else:
+        raise ValueError(f"guide.normalisation must be minmax, rank or zscore (got {method!r})")
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def token_q(
+    logps: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float,
+    sigma: float,
+    normalisation: Normalisation,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Eq. 10: q_t = 1 + alpha * w_t + sigma * w_t * N(0, 1), w_t = normalised surprisal -log pi(y_t)."""
+    w = normalise_per_sequence(-logps, mask, normalisation)  # (B, T)
+    noise = torch.randn(mask.shape, generator=generator, device="cpu").to(w.device)
+    return 1.0 + alpha * w + sigma * w * noise
+
+
+def branch_q(entropies: torch.Tensor, ratio: float, threshold: float) -> torch.Tensor:
+    """Eq. 11: q_t = 1 + ratio * max(0, H_t - threshold), H_t the policy's next-token entropy at t."""
+    return 1.0 + ratio * (entropies - threshold).clamp_min(0.0)
+
+
+@dataclass
+class NoGuide:
+    """q == 1: the anchor is pi_ref itself (plain GRPO / forward-KL baselines)."""
+
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+        return torch.ones_like(logps)
+
+    def params(self, step: int) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class RandomGuide:
+    """Random guide (Eq. 9). eps and sigma anneal with the schedule from start to end."""
+
+    schedule: Schedule
+    eps_start: float = 0.1
+    eps_end: float = 0.0
+    sigma_start: float = 0.15
+    sigma_end: float = 0.05
+    q_min: float = 0.6
+    q_max: float = 1.4
+    seed: int = 0
+    _generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def params(self, step: int) -> dict[str, float]:
+        return {
+            "eps": self.schedule(self.eps_start, self.eps_end, step),
+            "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
+        }
+
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+        p = self.params(step)
+        return finalize(random_q(mask, p["eps"], p["sigma"], self._generator), mask, self.q_min, self.q_max)
+
+
+@dataclass
+class TokenGuide:
+    """Surprisal guide (Eq. 10). alpha and sigma anneal with the schedule. The surprisal is that of the
+    current policy (the log-probs of TRL's loss pass, detached) or of pi_ref (source='ref')."""
+
+    schedule: Schedule
+    alpha_start: float = 0.3
+    alpha_end: float = 0.1
+    sigma_start: float = 0.25
+    sigma_end: float = 0.1
+    normalisation: Normalisation = "minmax"
+    source: Literal["policy", "ref"] = "policy"
+    q_min: float = 0.6
+    q_max: float = 1.4
+    seed: int = 0
+    _generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.source not in ("policy", "ref"):
+            raise ValueError(f"guide.source must be 'policy' or 'ref' (got {self.source!r})")
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def params(self, step: int) -> dict[str, float]:
+        return {
+            "alpha": self.schedule(self.alpha_start, self.alpha_end, step),
+            "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
+        }
+
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+        p = self.params(step)
+        source = ref_logps if self.source == "ref" else logps
+        if source is None:
+            raise ValueError("guide.source='ref' needs a reference model; it is not loaded with divergence=none")
+        q = token_q(source.detach(), mask, p["alpha"], p["sigma"], self.normalisation, self._generator)
+        return finalize(q, mask, self.q_min, self.q_max)
+
+
+@dataclass
+class BranchGuide:
+    """Entropy-gated guide (Eq. 11), the paper's main variant. Constant by design (no schedule)."""
+
+    ratio: float = 0.3
+    threshold: float = 1.2
+    q_min: float = 0.6
+    q_max: float = 1.4
+
+    def params(self, step: int) -> dict[str, float]:
+        return {"ratio": self.ratio, "threshold": self.threshold}
+
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+        return finalize(branch_q(entropies.detach(), self.ratio, self.threshold), mask, self.q_min, self.q_max)

@@ -1,0 +1,216 @@
+"""The testbed's base model: a ~1M-parameter Qwen2 trained from scratch on the teacher's worked solutions.
+
+It stands in for the pretrained LLM of the paper so that GRPO, SAGE guides and pass@k evaluation run
+offline on a CPU. The training length is tuned so that the model is a *weak but capable* base (pass@1
+well below 1, pass@64 near 1), the regime where RLVR methods differ. Builds are cached by config hash:
+every experiment of a sweep loads the same folder instead of retraining.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from sage.testbed.task import DEFAULT_SLIP_RATE, DEFAULT_STRATEGY_PROBS, make_problems, teacher_completion
+from sage.testbed.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+BUILD_FORMAT_VERSION = 1
+"""Part of the cache key: bump it when the task, the teacher or the training loop changes behaviour, so
+that stale cached models are never reused."""
+MAX_POSITIONS = 128
+"""Prompt (<= 8 tokens) plus the longest completion (~45 tokens) plus eos, with room for RL drift."""
+BUILD_INFO_FILE = "testbed_build.json"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SAGE_CACHE_DIR") or Path.home() / ".cache" / "sage")
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_tiny_model(
+    *,
+    hidden_size: int = 128,
+    intermediate_size: int = 512,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    train_steps: int = 450,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    warmup_steps: int = 30,
+    n_train_problems: int = 20000,
+    strategy_probs: tuple[float, float, float] = DEFAULT_STRATEGY_PROBS,
+    slip_rate: float = DEFAULT_SLIP_RATE,
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> str:
+    """Path of a folder with the trained model and tokenizer (``save_pretrained`` of both), training it
+    only if no build of this exact config is cached. The folder appears atomically, complete or not at
+    all, so a killed build or two concurrent builds never leave a half-written model behind."""
+    config = {
+        "format_version": BUILD_FORMAT_VERSION,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "train_steps": train_steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "warmup_steps": warmup_steps,
+        "n_train_problems": n_train_problems,
+        "strategy_probs": list(strategy_probs),
+        "slip_rate": slip_rate,
+        "seed": seed,
+    }
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / "testbed" / config_hash(config)
+    if (final / BUILD_INFO_FILE).exists():
+        log.info("testbed model cached at %s", final)
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        start = time.perf_counter()
+        model, tokenizer, final_loss = _train(config)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"config": config, "final_loss": final_loss, "build_seconds": time.perf_counter() - start}
+        (tmp / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2))
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / BUILD_INFO_FILE).exists():
+            raise
+        log.info("a concurrent build of %s finished first; using it", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("testbed model built at %s", final)
+    return str(final)
+
+
+def make_model(config: dict, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """Untrained Qwen2 sized by ``config``; the special-token ids live in both the model config and the
+    generation config so that ``generate`` and TRL stop on eos and pad correctly."""
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_layers"],
+        num_attention_heads=config["num_heads"],
+        num_key_value_heads=config["num_heads"],
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    model = Qwen2ForCausalLM(model_config)
+    generation = model.generation_config
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.eos_token_id = tokenizer.eos_token_id
+    generation.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1) -> float:
+    """Linear warm-up, then cosine from 1 to ``floor``; training stops exactly at the end of the cosine
+    because accuracy is very sensitive to where on the schedule the model is taken."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _teacher_examples(config: dict, tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> list[tuple]:
+    """(token ids, index of the first completion token) for every training example: problems drawn from
+    a fixed train pool, each with a fresh teacher trace, so the model sees the strategy mix as data."""
+    problems = make_problems("train", config["n_train_problems"], config["seed"])
+    examples = []
+    for _ in range(config["train_steps"] * config["batch_size"]):
+        p = rng.choice(problems)
+        completion, _ = teacher_completion(
+            p["a"], p["b"], p["c"], rng, tuple(config["strategy_probs"]), config["slip_rate"]
+        )
+        prompt_ids = tokenizer(p["problem"], add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids + completion_ids + [tokenizer.eos_token_id], len(prompt_ids)))
+    return examples
+
+
+def _collate(batch: list[tuple], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs with labels only on completion tokens (and eos): the prompt is given, the
+    model must learn to answer it, not to generate problems."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for row, (ids, completion_start) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        labels[row, completion_start : len(ids)] = torch.tensor(ids[completion_start:])
+    return input_ids, attention, labels
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Use the machine's cores for the build without changing the caller's thread setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(config: dict) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, float]:
+    rng = random.Random(config["seed"])
+    torch.manual_seed(config["seed"])
+    tokenizer = build_tokenizer()
+    model = make_model(config, tokenizer)
+    log.info("training testbed model: %d params, config %s", model.num_parameters(), config)
+    examples = _teacher_examples(config, tokenizer, rng)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config["warmup_steps"], config["train_steps"])
+    )
+    size = config["batch_size"]
+    loss_value = float("nan")
+    model.train()
+    with _torch_threads(os.cpu_count() or 1):
+        for step in range(config["train_steps"]):
+            input_ids, attention, labels = _collate(
+                examples[step * size : (step + 1) * size], tokenizer.pad_token_id
+            )
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = loss.item()
+            if step % 50 == 0 or step == config["train_steps"] - 1:
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e",
+                    step,
+                    config["train_steps"],
+                    loss_value,
+                    schedule.get_last_lr()[0],
+                )
+    model.eval()
+    return model, tokenizer, loss_value

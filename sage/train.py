@@ -1,0 +1,246 @@
+"""sage-train: one Hydra entry point for GRPO-family RLVR with SAGE's shaped anchor.
+
+    compose config -> validate -> build the base model (cached) -> SFT (if the model asks) -> RL -> evaluate
+
+How it departs from a standard TRL GRPO script:
+- the anchor is q * pi_ref (``guide=``) under a chosen divergence (``divergence=``): SageGRPOTrainer;
+- after SFT the merged SFT model is both the RL start and the reference (never the pre-SFT base);
+- the guide schedule counts optimiser steps;
+- the end-of-run evaluation is the same code as ``sage-eval`` (unbiased pass@k on held-out problems).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from sage.config import ConfigError, register_configs, validate
+
+log = logging.getLogger("sage.train")
+register_configs()
+
+
+def build_parts(cfg: DictConfig):
+    """Divergence, guide (with its schedule) — cheap objects that fail fast on bad values."""
+    divergence = instantiate(cfg.divergence)
+    schedule = instantiate(cfg.schedule)
+    if cfg.schedule.get("_partial_"):
+        schedule = schedule(max_steps=cfg.trainer.max_steps)
+    guide = instantiate(cfg.guide)
+    if cfg.guide.get("_partial_"):
+        guide = guide(schedule=schedule)
+    return divergence, guide
+
+
+def grpo_args(cfg: DictConfig, output_dir: Path):
+    """TRL's GRPOConfig from the algorithm, divergence, rollout and trainer groups (one place, no defaults
+    of our own hidden here)."""
+    from trl import GRPOConfig
+
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        seed=cfg.seed,
+        max_steps=t.max_steps,
+        learning_rate=t.learning_rate,
+        per_device_train_batch_size=t.prompts_per_step * t.num_generations,
+        num_generations=t.num_generations,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        weight_decay=t.weight_decay,
+        warmup_ratio=t.warmup_ratio,
+        lr_scheduler_type=t.lr_scheduler_type,
+        optim=t.optim,
+        max_grad_norm=t.max_grad_norm,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        logging_steps=t.logging_steps,
+        gradient_checkpointing=t.gradient_checkpointing,
+        bf16=t.bf16,
+        max_completion_length=cfg.model.max_completion_length,
+        model_init_kwargs={"dtype": cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else cfg.model.dtype},
+        beta=cfg.divergence.beta,
+        loss_type=str(a.loss_type.value),
+        scale_rewards=str(a.scale_rewards.value),
+        epsilon=a.epsilon,
+        epsilon_high=a.epsilon_high,
+        importance_sampling_level=str(a.importance_sampling_level.value),
+        mask_truncated_completions=a.mask_truncated_completions,
+        num_iterations=a.num_iterations,
+        steps_per_generation=a.steps_per_generation,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p,
+        use_vllm=r.use_vllm,
+        vllm_mode=str(r.vllm_mode.value),
+        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
+        disable_dropout=True,
+        report_to="none",
+        log_completions=False,
+    )
+
+
+def lora_config(cfg: DictConfig):
+    if cfg.model.lora is None:
+        return None
+    from peft import LoraConfig
+
+    lo = cfg.model.lora
+    return LoraConfig(
+        r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules), task_type="CAUSAL_LM"
+    )
+
+
+def run_sft(cfg: DictConfig, base_path: str, out: Path) -> str:
+    """Supervised stage; the LoRA adapter is MERGED into the weights and saved, so that the RL stage's
+    reference (TRL: a new adapter disabled, or a copy of the weights) is the SFT model, not the base."""
+    merged = out / "merged"
+    if (merged / "config.json").exists():
+        log.info("SFT already done: %s", merged)
+        return str(merged)
+    from trl import SFTConfig, SFTTrainer
+
+    s = cfg.model.sft
+    dataset = instantiate(s.data, chat=cfg.model.chat)
+    args = SFTConfig(
+        output_dir=str(out),
+        num_train_epochs=s.epochs,
+        max_steps=s.max_steps,
+        learning_rate=s.learning_rate,
+        per_device_train_batch_size=s.batch_size,
+        gradient_accumulation_steps=s.gradient_accumulation_steps,
+        weight_decay=s.weight_decay,
+        warmup_steps=s.warmup_steps,
+        lr_scheduler_type=s.lr_scheduler_type,
+        optim=s.optim,
+        max_length=s.max_length,
+        seed=s.seed,
+        bf16=cfg.trainer.bf16,
+        report_to="none",
+        save_strategy="no",
+        model_init_kwargs={"dtype": str(cfg.model.dtype.value)},
+    )
+    trainer = SFTTrainer(model=base_path, args=args, train_dataset=dataset, peft_config=lora_config(cfg))
+    trainer.train()
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(merged)
+    trainer.processing_class.save_pretrained(merged)
+    return str(merged)
+
+
+def base_results_dir(model_path: str) -> Path:
+    root = Path(os.environ.get("SAGE_CACHE_DIR", Path.home() / ".cache" / "sage"))
+    return root / "eval" / hashlib.sha256(str(Path(model_path).resolve()).encode()).hexdigest()[:16]
+
+
+def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) -> str:
+    """Markdown table: one line per (model, dataset), pass@k (mean ± std over seeds)."""
+    head = "| model | dataset | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    lines = [head, "|" + "---|" * (2 + len(ks))]
+    for model_name, by_ds in rows.items():
+        for ds, s in by_ds.items():
+            cells = [f"{s[f'pass@{k}']:.3f} ± {s[f'pass@{k}_std']:.3f}" for k in ks]
+            lines.append(f"| {model_name} | {ds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    validate(cfg)
+    divergence, guide = build_parts(cfg)
+    out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    rl_dir = out / "rl"
+    last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
+    if cfg.resume and last is None:
+        raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
+    if not cfg.resume and last is not None:
+        raise ConfigError(f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir")
+
+    # Everything cheap that can fail (data files, eval files) fails before the model is built.
+    dataset = instantiate(cfg.data, chat=cfg.model.chat)
+    from sage.evaluate import evaluate_model, load_eval_rows
+
+    eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if cfg.eval.at_end else {}
+    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+
+    from transformers import set_seed
+
+    from sage.rewards import math_verify_reward
+    from sage.trainer import SageGRPOTrainer
+
+    set_seed(cfg.seed)
+    base_path = instantiate(cfg.model.source)
+    start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
+
+    trainer = SageGRPOTrainer(
+        model=start_path,
+        reward_funcs=[math_verify_reward],
+        args=grpo_args(cfg, rl_dir),
+        train_dataset=dataset,
+        peft_config=lora_config(cfg),
+        divergence=divergence,
+        guide=guide,
+    )
+    trainer.train(resume_from_checkpoint=last)
+    final = out / "final"
+    trainer.save_model(str(final))
+    trainer.processing_class.save_pretrained(str(final))
+    (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
+    metrics: dict[str, float] = {"train/steps": float(trainer.state.global_step)}
+    del trainer
+
+    if cfg.eval.at_end:
+        max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
+        table = {}
+        for label, path, rdir in [
+            # The base model's cells are shared by every run that starts from it (same settings, same seed).
+            ("base", start_path, base_results_dir(start_path)),
+            ("trained", str(final), out / "eval" / "trained"),
+        ]:
+            res = evaluate_model(
+                path, eval_rows, cfg.eval, chat=cfg.model.chat, max_new_tokens=max_new, results_dir=rdir,
+                dtype=str(cfg.model.dtype.value),
+            )
+            table[label] = {ds: r["summary"] for ds, r in res.items()}
+            for ds, r in res.items():
+                metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
+        print("\n" + format_table(table, list(cfg.eval.ks)))
+    print(f"\nrun outputs: {out}  (final model: {final})")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        metrics = train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    first = next(iter(cfg.eval.datasets), None) if cfg.eval.at_end else None
+    return metrics.get(f"trained/{first}/pass@1") if first else None
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Guides against hand-computed values: clamping, padding, schedules, and the statistics of the random parts."""
+
+import pytest
+import torch
+
+from sage.guides import (
+    BranchGuide,
+    NoGuide,
+    RandomGuide,
+    TokenGuide,
+    branch_q,
+    finalize,
+    normalise_per_sequence,
+    token_q,
+)
+from sage.schedules import ConstantSchedule, CosineSchedule
+
+
+def test_branch_hand_values_clamp_and_padding():
+    H = torch.tensor([[0.5, 1.2, 1.7, 2.2, 9.0], [3.0, 3.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    # 1 + 0.3 * max(0, H - 1.2): 1, 1, 1.15, 1.3, 1 + 0.3*7.8 = 3.34 -> clamped 1.4
+    q = BranchGuide(ratio=0.3, threshold=1.2)(logps=None, ref_logps=None, entropies=H, mask=mask, step=0)
+    expected = torch.tensor([[1.0, 1.0, 1.15, 1.3, 1.4], [1.4, 1.0, 1.0, 1.0, 1.0]])
+    assert torch.allclose(q, expected)
+    assert torch.equal(branch_q(torch.tensor([1.0]), 0.5, 2.0), torch.tensor([1.0]))
+
+
+def test_finalize_lower_clamp_and_padding_exactly_one():
+    q = torch.tensor([[0.1, 0.9, 5.0]])
+    assert torch.equal(finalize(q, torch.tensor([[1, 1, 0]]), 0.6, 1.4), torch.tensor([[0.6, 0.9, 1.0]]))
+
+
+def test_normalise_minmax_clips_to_quantiles():
+    # 21 values 0..20: 5% quantile = 1, 95% = 19 (linear interpolation) -> w = (clip(x, 1, 19) - 1) / 18
+    x = torch.arange(21, dtype=torch.float32).unsqueeze(0)
+    w = normalise_per_sequence(x, torch.ones_like(x), "minmax")
+    assert w[0, 0] == 0 and w[0, 1] == 0 and w[0, 19] == 1 and w[0, 20] == 1
+    assert w[0, 10] == pytest.approx(9 / 18)
+
+
+def test_normalise_rank_zscore_and_padding():
+    x = torch.tensor([[3.0, 1.0, 2.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert torch.allclose(normalise_per_sequence(x, mask, "rank"), torch.tensor([[1.0, 0.0, 0.5, 0.0]]))
+    z = normalise_per_sequence(x, mask, "zscore")  # mean 2, std sqrt(2/3)
+    s = (2 / 3) ** 0.5
+    assert torch.allclose(z, torch.tensor([[torch.sigmoid(torch.tensor(1 / s)), torch.sigmoid(torch.tensor(-1 / s)), 0.5, 0.0]]))
+    # a constant sequence carries no signal: w == 0 for every method
+    const = torch.full((1, 4), 2.0)
+    for method in ("minmax", "rank", "zscore"):
+        if method != "rank":
+            assert torch.all(normalise_per_sequence(const, torch.ones_like(const), method) == 0)
+
+
+def test_token_guide_without_noise_is_one_plus_alpha_w():
+    logps = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.9]]))  # surprisal ln2, 2ln2, 3ln2, small
+    mask = torch.tensor([[1, 1, 1, 0]])
+    q = token_q(logps, mask, alpha=0.3, sigma=0.0, normalisation="rank", generator=None)
+    assert torch.allclose(q, torch.tensor([[1.0, 1.15, 1.3, 1.0]]))
+    g = TokenGuide(schedule=ConstantSchedule(), alpha_start=0.3, sigma_start=0.0, normalisation="rank")
+    assert torch.allclose(g(logps=logps, ref_logps=None, entropies=None, mask=mask, step=0), q)
+    with pytest.raises(ValueError, match="reference"):
+        TokenGuide(schedule=ConstantSchedule(), source="ref")(logps=logps, ref_logps=None, entropies=None, mask=mask, step=0)
+
+
+def test_random_guide_rate_scale_and_schedule():
+    mask = torch.ones(200, 500)
+    g = RandomGuide(schedule=ConstantSchedule(), eps_start=0.1, sigma_start=0.15, q_min=0.0, q_max=10.0, seed=1)
+    q = g(logps=None, ref_logps=None, entropies=None, mask=mask, step=0)
+    active = q != 1
+    assert active.float().mean().item() == pytest.approx(0.1, abs=0.005)
+    assert (q[active] - 1).std().item() == pytest.approx(0.15, rel=0.03)
+    # annealed to eps_end = 0 at the end of a cosine cycle: nothing fires
+    cos = RandomGuide(schedule=CosineSchedule(max_steps=8, cycles=1), seed=1)
+    assert cos.params(0) == {"eps": pytest.approx(0.1), "sigma": pytest.approx(0.15)}
+    assert cos.params(7)["eps"] < cos.params(4)["eps"] < cos.params(1)["eps"]
+    # padding stays 1 even when every token fires
+    always = RandomGuide(schedule=ConstantSchedule(), eps_start=1.0, seed=0)
+    q = always(logps=None, ref_logps=None, entropies=None, mask=torch.tensor([[1, 0]]), step=0)
+    assert q[0, 1] == 1.0 and 0.6 <= q[0, 0] <= 1.4
+
+
+def test_no_guide_is_one():
+    x = torch.randn(3, 4)
+    assert torch.equal(NoGuide()(logps=x, ref_logps=None, entropies=x, mask=torch.ones(3, 4), step=5), torch.ones(3, 4))

@@ -1,0 +1,179 @@
+"""Tests of the embedded testbed: task splits, teacher, strategy classifier, tokenizer and model cache."""
+
+from __future__ import annotations
+
+import json
+import operator
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sage.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
+from sage.testbed.model import BUILD_INFO_FILE, build_tiny_model, lr_factor
+from sage.testbed.task import (
+    STRATEGIES,
+    arith_dataset,
+    classify_strategy,
+    extract_answer,
+    heldout_dataset,
+    is_correct,
+    make_problems,
+    split_of,
+    teacher_completion,
+)
+from sage.testbed.tokenizer import TAGS, build_tokenizer
+
+OPS = {"*": operator.mul, "+": operator.add, "-": operator.sub}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "train_steps": 5,
+    "batch_size": 8,
+    "warmup_steps": 2,
+    "n_train_problems": 50,
+}
+
+
+def _traces(n: int, seed: int = 0, **kwargs) -> list[tuple[dict, str, str]]:
+    rng = random.Random(seed)
+    problems = make_problems("train", n, seed)
+    return [(p, *teacher_completion(p["a"], p["b"], p["c"], rng, **kwargs)) for p in problems]
+
+
+def test_splits_are_disjoint_and_cover_the_problem_space() -> None:
+    train = {p["problem"] for p in make_problems("train", 20000, 0)}
+    heldout = {p["problem"] for p in make_problems("heldout", 3000, 0)}
+    assert len(train) == 20000 and len(heldout) == 3000
+    assert not train & heldout
+    assert all(split_of(p["a"], p["b"], p["c"]) == "heldout" for p in make_problems("heldout", 200, 1))
+
+
+def test_problems_are_deterministic_given_seed_and_well_formed() -> None:
+    first = make_problems("heldout", 200, 0)
+    assert first == make_problems("heldout", 200, 0)
+    assert first != make_problems("heldout", 200, 1)
+    for p in first:
+        assert p["problem"] == f"{p['a']}*{p['b']}+{p['c']}="
+        assert int(p["answer"]) == p["a"] * p["b"] + p["c"]
+        assert 10 <= p["a"] <= 99 and 2 <= p["b"] <= 9 and 10 <= p["c"] <= 99
+
+
+def test_make_problems_rejects_bad_requests() -> None:
+    with pytest.raises(ValueError):
+        make_problems("test", 1, 0)
+    with pytest.raises(ValueError):
+        make_problems("heldout", 10**6, 0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_teacher_is_correct_without_slips(strategy: str) -> None:
+    probs = tuple(1.0 if s == strategy else 0.0 for s in STRATEGIES)
+    for p, completion, used in _traces(2000, strategy_probs=probs, slip_rate=0.0):
+        assert used == strategy
+        assert completion.startswith(WORK_START) and completion.endswith(SOLUTION_END)
+        assert extract_answer(completion) == p["answer"]
+        for x, op, y, result in re.findall(r"(\d+)([*+-])(\d+)=(\d+)", completion):
+            assert OPS[op](int(x), int(y)) == int(result)
+
+
+def test_slip_rate_is_the_error_rate() -> None:
+    traces = _traces(20000, slip_rate=0.1, strategy_probs=(1 / 3, 1 / 3, 1 / 3))
+    wrong = sum(not is_correct(completion, p["answer"]) for p, completion, _ in traces) / len(traces)
+    assert wrong == pytest.approx(0.1, abs=0.01)
+    assert all(classify_strategy(completion) == used for _, completion, used in traces)
+
+
+def test_strategy_frequencies_follow_the_probabilities() -> None:
+    counts = Counter(used for _, _, used in _traces(20000))
+    assert counts["direct"] / 20000 == pytest.approx(0.8, abs=0.015)
+    assert counts["split"] / 20000 == pytest.approx(0.15, abs=0.015)
+    assert counts["round"] / 20000 == pytest.approx(0.05, abs=0.01)
+
+
+def test_classify_strategy_agrees_with_the_teacher() -> None:
+    traces = _traces(5000, strategy_probs=(1 / 3, 1 / 3, 1 / 3), slip_rate=0.3)
+    assert Counter(used for _, _, used in traces).keys() == set(STRATEGIES)
+    assert all(classify_strategy(completion) == used for _, completion, used in traces)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "",
+        "305",
+        f"{SOLUTION_START}305{SOLUTION_END}",
+        f"{WORK_START}47*6=282{WORK_END}{SOLUTION_START}305{SOLUTION_END}",
+        f"{WORK_START}47*6=282 282+23=305 1+1=2{WORK_END}{SOLUTION_START}305{SOLUTION_END}",
+        f"{WORK_START}47*6=282 282-23=259{WORK_END}{SOLUTION_START}259{SOLUTION_END}",
+        f"{WORK_START}47*6=282 282+23=305",
+    ],
+)
+def test_classify_strategy_rejects_garbage(garbage: str) -> None:
+    assert classify_strategy(garbage) == "other"
+
+
+def test_extract_answer() -> None:
+    assert extract_answer(f"x{SOLUTION_START} 305 {SOLUTION_END}") == "305"
+    assert extract_answer(f"{SOLUTION_START}305") is None
+    assert not is_correct("305", "305")
+
+
+def test_datasets_have_prompt_and_answer_columns() -> None:
+    train, heldout = arith_dataset(50, 0), heldout_dataset()
+    assert train.column_names == ["prompt", "answer"] and heldout.column_names == ["prompt", "answer"]
+    assert len(heldout) == 200
+    assert not set(train["prompt"]) & set(heldout["prompt"])
+    assert heldout[0]["prompt"] == make_problems("heldout", 1, 0)[0]["problem"]
+
+
+def test_tokenizer_round_trip_keeps_tags_as_single_ordinary_tokens(tmp_path: Path) -> None:
+    build_tokenizer().save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    for tag in TAGS:
+        ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1
+        assert ids[0] not in tokenizer.all_special_ids
+    _, completion, _ = _traces(1, strategy_probs=(0.0, 0.0, 1.0))[0]
+    ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert len(ids) == len(re.sub("|".join(map(re.escape, TAGS)), "T", completion))
+    padded = [tokenizer.pad_token_id] * 3 + ids + [tokenizer.eos_token_id]
+    assert tokenizer.decode(padded, skip_special_tokens=True) == completion
+
+
+def test_lr_schedule_warms_up_then_ends_at_the_floor() -> None:
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(99, 10, 100) == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_model_cache_reuses_builds_and_separates_configs(tmp_path: Path) -> None:
+    path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
+    info = Path(path, BUILD_INFO_FILE)
+    first_mtime = info.stat().st_mtime_ns
+    assert build_tiny_model(**TINY, cache_dir=str(tmp_path)) == path
+    assert info.stat().st_mtime_ns == first_mtime
+    other = build_tiny_model(**{**TINY, "seed": 1}, cache_dir=str(tmp_path))
+    assert other != path
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == sorted([Path(path).name, Path(other).name])
+    assert json.loads(info.read_text())["config"]["train_steps"] == TINY["train_steps"]
+
+
+@pytest.mark.slow
+def test_built_model_loads_offline_with_consistent_special_tokens(tmp_path: Path) -> None:
+    path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    assert model.config.tie_word_embeddings
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    inputs = tokenizer(["47*6+23=", "5*6+10="], return_tensors="pt", padding=True)
+    out = model.generate(**inputs, do_sample=True, max_new_tokens=8)
+    assert out.shape[0] == 2
