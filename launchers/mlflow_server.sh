@@ -30,7 +30,11 @@ server_pid() {
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q 'mlflow.* server' || return 1
     echo "$pid"
 }
-healthy() { curl -fsS --max-time 2 "http://127.0.0.1:$1/health" >/dev/null 2>&1; }
+healthy() {
+    if command -v curl >/dev/null 2>&1; then curl -fsS --max-time 2 "http://127.0.0.1:$1/health" >/dev/null 2>&1
+    else "$(dirname "$MLFLOW")/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+        "http://127.0.0.1:$1/health" >/dev/null 2>&1; fi
+}
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 cmd_start() {

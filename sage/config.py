@@ -143,6 +143,9 @@ class ReverseKLConfig:
     _target_: str = "sage.divergences.ReverseKL"
     beta: float = 0.05
     estimator: Estimator = field(default=Estimator.k3, metadata={"help": "see sage/divergences.py"})
+    importance_weighted: bool = field(
+        default=False, metadata={"help": "x pi/pi_old (TRL's use_bias_correction_kl); paper: false"}
+    )
 
 
 @dataclass
@@ -302,6 +305,19 @@ def register_configs() -> None:
         ("trainer", "base_trainer", TrainerConfig),
     ]:
         cs.store(group=group, name=name, node=node)
+
+
+def build(node: Any, **runtime: Any) -> Any:
+    """``hydra.utils.instantiate`` whose failures (bad file, bad row, bad value) surface as the one-line
+    ConfigError of their cause instead of Hydra's multi-line wrapper."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **runtime)
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{node._target_}: {cause}") from e
 
 
 def validate(cfg: DictConfig) -> None:

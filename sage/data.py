@@ -32,7 +32,7 @@ def require_fields(ds: Dataset, fields: list[str], source: str) -> None:
             raise ValueError(f"{source}: field {f!r} is missing (columns: {ds.column_names})")
         for i, v in enumerate(ds[f]):
             if v is None or (isinstance(v, str) and not v.strip()):
-                raise ValueError(f"{source}: row {i} has an empty {f!r}")
+                raise ValueError(f"{source}: row {i} has no value for field {f!r}")
 
 
 def math_prompts(

@@ -14,7 +14,7 @@ log pi_ref(y_t) + log q_t and carries no gradient. The result is (B, T); the cal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -56,10 +56,16 @@ def forward_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ReverseKL:
-    """beta * KL~(pi || q pi_ref): GRPO's leash (q == 1) or SAGE's shaped leash (any guide)."""
+    """beta * KL~(pi || q pi_ref): GRPO's leash (q == 1) or SAGE's shaped leash (any guide).
+
+    ``importance_weighted``: multiply the per-token term by the (differentiable) ratio pi / pi_old, as TRL
+    1.16 does by default (``use_bias_correction_kl``, DeepSeek-V3.2). Its value on-policy is unchanged, its
+    gradient becomes E[log(pi/m) grad log pi], the true reverse-KL gradient even for k3. The paper's loss
+    (and our default) is the plain term."""
 
     beta: float
     estimator: Literal["k1", "k2", "k3"] = "k3"
+    importance_weighted: bool = False
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -82,6 +88,7 @@ class ForwardKL:
     """beta * KL(q pi_ref || pi): mass-covering anchor (the paper's 'GRPO + forward KL' baseline)."""
 
     beta: float
+    importance_weighted: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -96,6 +103,7 @@ class NoDivergence:
     """No anchor ('GRPO w/o KL'). TRL then loads no reference model, so KL-to-reference is not logged."""
 
     beta: float = 0.0
+    importance_weighted: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.beta != 0:

@@ -129,11 +129,11 @@ def summarise(correct_by_seed: list[np.ndarray], ks: list[int]) -> dict[str, flo
 
 def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
     """Every eval dataset's rows, loaded up front so that a bad file fails before any sampling."""
-    from hydra.utils import instantiate
+    from sage.config import build
 
     rows = {}
     for name, node in datasets_cfg.items():
-        loaded = instantiate(node)
+        loaded = build(node)
         rows[name] = loaded[:limit] if limit is not None else loaded
     return rows
 

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, register_configs, validate
+from sage.config import ConfigError, build, register_configs, validate
 
 log = logging.getLogger("sage.train")
 register_configs()
@@ -31,11 +30,11 @@ register_configs()
 
 def build_parts(cfg: DictConfig):
     """Divergence, guide (with its schedule) — cheap objects that fail fast on bad values."""
-    divergence = instantiate(cfg.divergence)
-    schedule = instantiate(cfg.schedule)
+    divergence = build(cfg.divergence)
+    schedule = build(cfg.schedule)
     if cfg.schedule.get("_partial_"):
         schedule = schedule(max_steps=cfg.trainer.max_steps)
-    guide = instantiate(cfg.guide)
+    guide = build(cfg.guide)
     if cfg.guide.get("_partial_"):
         guide = guide(schedule=schedule)
     return divergence, guide
@@ -56,7 +55,7 @@ def grpo_args(cfg: DictConfig, output_dir: Path):
         num_generations=t.num_generations,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         weight_decay=t.weight_decay,
-        warmup_ratio=t.warmup_ratio,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
         lr_scheduler_type=t.lr_scheduler_type,
         optim=t.optim,
         max_grad_norm=t.max_grad_norm,
@@ -69,6 +68,7 @@ def grpo_args(cfg: DictConfig, output_dir: Path):
         max_completion_length=cfg.model.max_completion_length,
         model_init_kwargs={"dtype": cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else cfg.model.dtype},
         beta=cfg.divergence.beta,
+        use_bias_correction_kl=bool(cfg.divergence.get("importance_weighted", False)),
         loss_type=str(a.loss_type.value),
         scale_rewards=str(a.scale_rewards.value),
         epsilon=a.epsilon,
@@ -112,7 +112,7 @@ def run_sft(cfg: DictConfig, base_path: str, out: Path) -> str:
     from trl import SFTConfig, SFTTrainer
 
     s = cfg.model.sft
-    dataset = instantiate(s.data, chat=cfg.model.chat)
+    dataset = build(s.data, chat=cfg.model.chat)
     args = SFTConfig(
         output_dir=str(out),
         num_train_epochs=s.epochs,
@@ -173,7 +173,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir")
 
     # Everything cheap that can fail (data files, eval files) fails before the model is built.
-    dataset = instantiate(cfg.data, chat=cfg.model.chat)
+    dataset = build(cfg.data, chat=cfg.model.chat)
     from sage.evaluate import evaluate_model, load_eval_rows
 
     eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if cfg.eval.at_end else {}
@@ -185,7 +185,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from sage.trainer import SageGRPOTrainer
 
     set_seed(cfg.seed)
-    base_path = instantiate(cfg.model.source)
+    base_path = build(cfg.model.source)
     start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
 
     trainer = SageGRPOTrainer(

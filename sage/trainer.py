@@ -70,8 +70,11 @@ class SageGRPOTrainer(GRPOTrainer):
             raise ValueError(f"GRPOConfig.beta={self.beta} differs from divergence.beta={divergence.beta}")
         if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             raise ValueError(f"algorithm.loss_type={self.loss_type!r} is not supported by SageGRPOTrainer")
-        if self.args.use_bias_correction_kl:
-            raise ValueError("use_bias_correction_kl is not supported: the shaped divergence is on-policy")
+        if self.args.use_bias_correction_kl != divergence.importance_weighted:
+            raise ValueError(
+                f"GRPOConfig.use_bias_correction_kl={self.args.use_bias_correction_kl} differs from "
+                f"divergence.importance_weighted={divergence.importance_weighted}"
+            )
 
     def _get_per_token_logps_and_entropies(self, *args, compute_entropy: bool = False, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)
@@ -102,6 +105,8 @@ class SageGRPOTrainer(GRPOTrainer):
             return loss
 
         per_token = self.divergence.per_token(logps, ref_logps + torch.log(q))  # (B, T)
+        if self.divergence.importance_weighted:
+            per_token = per_token * self._importance_ratio(logps, inputs, mask)
         loss = loss + beta * aggregate(
             per_token,
             mask,
@@ -117,6 +122,14 @@ class SageGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["divergence"].append(self._masked_mean(per_token, mask))
             self._metrics[mode]["kl"].append(self._masked_mean(k3(logps, ref_logps), mask))
         return loss
+
+    def _importance_ratio(self, logps: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+        """pi / pi_old with gradient, token- or sequence-level as TRL's coef_1: (B, T) or (B, 1)."""
+        old = inputs.get("old_per_token_logps")
+        log_ratio = logps - (logps.detach() if old is None else old)
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        return torch.exp(log_ratio)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")

@@ -1,0 +1,348 @@
+"""The verifiable reward: Math-Verify equivalence of the completion's final answer with the gold answer.
+
+Grading runs sympy on model output, which is adversarial input: it can be malformed, huge, or a LaTeX
+"bomb" whose simplification never ends. So every entry point here returns a score and never raises,
+answers longer than ``MAX_ANSWER_CHARS`` are refused before sympy sees them, and each call is bounded in
+time: in the main thread by a SIGALRM deadline, across many calls by :class:`GradingPool`, whose worker
+processes are killed and replaced when they hang in code that signals cannot interrupt.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import re
+import resource
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from types import FrameType, TracebackType
+from typing import Any
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from sage.prompts import SOLUTION_END, SOLUTION_START
+
+MAX_ANSWER_CHARS = 1000
+GRADE_TIMEOUT_S = 5.0
+
+# Both sides are wrapped in \boxed{} before parsing, so the boxed content is the only thing to extract:
+# bare gold LaTeX such as `3\sqrt{13}` would otherwise be read by the "find a number" heuristics as `3`.
+_BOXED_LATEX = LatexExtractionConfig(boxed_match_priority=0)
+_GOLD_CONFIG = (_BOXED_LATEX,)
+# A model may also write a plain expression such as `1/2` or `2**10`; Expr extraction is the fallback.
+_PRED_CONFIG = (_BOXED_LATEX, ExprExtractionConfig())
+
+_BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    """Math-Verify warns once that its own timeouts are off; they are off on purpose (see `_deadline`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
+
+
+class _GradeTimeout(BaseException):
+    """A BaseException, so that the `except Exception` clauses inside sympy and Math-Verify cannot swallow
+    the deadline and keep computing."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise `_GradeTimeout` in the block after `seconds` of wall time.
+
+    Math-Verify's own timeouts use `signal.alarm` per parse/compare step (whole seconds, several steps per
+    call, and a ValueError outside the main thread), so we disable them and put one sub-second deadline
+    around the whole call instead. Signals only reach the main thread: elsewhere the block runs unbounded,
+    which is why bulk grading goes through `GradingPool` (each worker grades in its main thread).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        raise _GradeTimeout
+
+    previous = signal.signal(signal.SIGALRM, _raise)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        # Separate finally: if the alarm fires just before it is disarmed, the handler is still restored.
+        signal.signal(signal.SIGALRM, previous)
+
+
+def last_boxed_content(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces (`\\{` does not count), or
+    None when there is none or the last one is unclosed (a truncated generation has no final answer)."""
+    openers = list(_BOX_OPENER.finditer(text))
+    if not openers:
+        return None
+    start = openers[-1].end()
+    depth = 1
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+        i += 1
+    return None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer: text between the last `<SOLUTION>` and the next `</SOLUTION>`, else (no solution
+    tag at all) the last `\\boxed{}`. An unclosed last `<SOLUTION>` gives None rather than falling back to a
+    `\\boxed{}` in the working: the model used the format and was cut off before answering."""
+    start = completion.rfind(SOLUTION_START)
+    if start < 0:
+        return last_boxed_content(completion)
+    start += len(SOLUTION_START)
+    end = completion.find(SOLUTION_END, start)
+    return completion[start:end].strip() if end >= 0 else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> list[Any]:
+    """Cached because the evaluator grades hundreds of samples against the same gold answer."""
+    return parse(f"\\boxed{{{gold}}}", extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+
+
+def _equivalent(answer: str, gold: str) -> bool:
+    predicted = parse(f"\\boxed{{{answer}}}", extraction_config=_PRED_CONFIG, parsing_timeout=None)
+    return bool(verify(_parse_gold(gold), predicted, timeout_seconds=None))
+
+
+def grade_answer(answer: str | None, gold: str, *, timeout_s: float = GRADE_TIMEOUT_S) -> float:
+    """1.0 if the extracted `answer` is Math-Verify-equivalent to `gold`, else 0.0 (also for a missing,
+    oversized, unparseable or too-slow answer). Never raises, except KeyboardInterrupt/SystemExit."""
+    if not answer or len(answer) > MAX_ANSWER_CHARS:
+        return 0.0
+    try:
+        with _deadline(timeout_s):
+            return 1.0 if _equivalent(answer, str(gold)) else 0.0
+    except (Exception, _GradeTimeout):
+        return 0.0
+
+
+def grade(completion: str, gold: str, *, timeout_s: float = GRADE_TIMEOUT_S) -> float:
+    """Score one completion against its gold answer: 1.0 if equivalent, else 0.0. Never raises."""
+    try:
+        answer = extract_answer(completion)
+    except Exception:
+        return 0.0
+    return grade_answer(answer, gold, timeout_s=timeout_s)
+
+
+def _completion_text(completion: str | list[dict[str, str]]) -> str:
+    """TRL passes plain strings for base models and message lists for chat models."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"] if completion else ""
+
+
+def math_verify_reward(
+    completions: Sequence[str | list[dict[str, str]]], answer: Sequence[str], **kwargs: Any
+) -> list[float]:
+    """TRL reward function: `answer` is the dataset column of gold answers, one per completion; the other
+    dataset columns arrive in `kwargs` and are ignored."""
+    if len(completions) != len(answer):
+        raise ValueError(f"{len(completions)} completions but {len(answer)} gold answers")
+    scores = []
+    for completion, gold in zip(completions, answer, strict=True):
+        try:
+            text = _completion_text(completion)
+        except Exception:
+            text = ""
+        scores.append(grade(text, gold))
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Process pool
+
+_START_TIMEOUT_S = 120.0  # spawning + importing sympy/antlr while a model trains on the same two cores
+_KILL_GRACE_S = 1.0  # past its own SIGALRM deadline, a worker gets this long before it is killed
+_WORKER_MEMORY_BYTES = 4 << 30  # a power tower must raise MemoryError, not take the node's RAM
+
+
+def _worker_main(conn: Connection, timeout_s: float) -> None:
+    """Grade chunks of `(index, answer, gold)` and send `(index, score)` after every item, so that the
+    parent knows exactly which item a hung worker is stuck on."""
+    resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, resource.RLIM_INFINITY))
+    grade_answer("1", "1", timeout_s=_START_TIMEOUT_S)  # load antlr/sympy before reporting ready
+    conn.send("ready")
+    while (chunk := conn.recv()) is not None:
+        for index, answer, gold in chunk:
+            conn.send((index, grade_answer(answer, gold, timeout_s=timeout_s)))
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    conn: Connection
+    ready: bool = False
+    pending: deque[int] = field(default_factory=deque)
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class GradingPool:
+    """Grade many (completion, gold) pairs on `workers` processes, each call limited to `timeout_s`.
+
+    Completions are reduced to their extracted answer in the parent and identical (answer, gold) pairs are
+    graded once: of 256 samples of one problem most repeat a handful of answers. Work is sent in chunks to
+    amortise IPC. A call over its deadline scores 0 inside the worker; a worker that does not answer within
+    `timeout_s + 1 s` (stuck in C, or dead) is killed and replaced, its current item scores 0 and the rest
+    of its chunk is re-queued. Workers use the 'spawn' context, safe in a process that has loaded torch.
+    """
+
+    def __init__(self, workers: int = 2, timeout_s: float = GRADE_TIMEOUT_S, *, chunk_size: int = 16) -> None:
+        if workers < 1 or timeout_s <= 0 or chunk_size < 1:
+            raise ValueError(
+                f"need workers >= 1, timeout_s > 0, chunk_size >= 1; got {workers}, {timeout_s}, {chunk_size}"
+            )
+        self.timeout_s = timeout_s
+        self.chunk_size = chunk_size
+        self._context = multiprocessing.get_context("spawn")
+        self._workers = [self._start_worker() for _ in range(workers)]
+
+    def __enter__(self) -> GradingPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._context.Pipe()
+        process = self._context.Process(
+            target=_worker_main, args=(child_conn, self.timeout_s), daemon=True, name="sage-grader"
+        )
+        process.start()
+        child_conn.close()
+        return _Worker(process, parent_conn)
+
+    def close(self) -> None:
+        """Stop the workers; one that does not exit promptly is killed."""
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=2.0)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self._workers = []
+
+    def grade_many(self, completions: Sequence[str], golds: Sequence[str]) -> list[float]:
+        """Scores in the order of `completions`; never raises for bad completions."""
+        if len(completions) != len(golds):
+            raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
+        if not self._workers:
+            raise RuntimeError("GradingPool is closed")
+        pair_index: dict[tuple[str, str], int] = {}
+        positions: list[int | None] = []
+        for completion, gold in zip(completions, golds, strict=True):
+            answer = _safe_extract(completion)
+            if answer is None or len(answer) > MAX_ANSWER_CHARS:
+                positions.append(None)
+                continue
+            positions.append(pair_index.setdefault((answer, str(gold)), len(pair_index)))
+        scores = self._grade_unique(list(pair_index))
+        return [0.0 if p is None else scores[p] for p in positions]
+
+    def _grade_unique(self, pairs: list[tuple[str, str]]) -> list[float]:
+        scores = [0.0] * len(pairs)
+        queue: deque[int] = deque(range(len(pairs)))
+        outstanding = len(pairs)
+        while outstanding:
+            for worker in self._workers:
+                if worker.ready and not worker.pending and queue:
+                    chunk = [queue.popleft() for _ in range(min(self.chunk_size, len(queue)))]
+                    worker.conn.send([(i, *pairs[i]) for i in chunk])
+                    worker.pending.extend(chunk)
+                    worker.last_progress = time.monotonic()
+            ready = wait([w.conn for w in self._workers], timeout=self._time_to_next_deadline())
+            for position, worker in enumerate(self._workers):
+                if worker.conn in ready:
+                    outstanding -= self._receive(worker, scores)
+                if worker.process.is_alive() and not self._overdue(worker):
+                    continue
+                if worker.pending:  # its first pending item is the one it hung or died on: scores 0
+                    worker.pending.popleft()
+                    outstanding -= 1
+                    queue.extendleft(reversed(worker.pending))
+                elif not worker.ready:
+                    raise RuntimeError(
+                        f"grading worker exited or did not start within {_START_TIMEOUT_S:.0f} s"
+                    )
+                self._workers[position] = self._replace(worker)
+        return scores
+
+    def _receive(self, worker: _Worker, scores: list[float]) -> int:
+        """Read every message a worker has sent; returns how many items it finished."""
+        finished = 0
+        try:
+            while worker.conn.poll():
+                message = worker.conn.recv()
+                worker.last_progress = time.monotonic()
+                if message == "ready":
+                    worker.ready = True
+                    continue
+                index, score = message
+                scores[index] = score
+                worker.pending.remove(index)
+                finished += 1
+        except (EOFError, OSError):
+            worker.process.join(timeout=1.0)  # died mid-item (e.g. killed by the OOM killer)
+        return finished
+
+    def _limit(self, worker: _Worker) -> float:
+        return self.timeout_s + _KILL_GRACE_S if worker.ready else _START_TIMEOUT_S
+
+    def _overdue(self, worker: _Worker) -> bool:
+        busy = worker.pending or not worker.ready
+        return bool(busy) and time.monotonic() - worker.last_progress > self._limit(worker)
+
+    def _time_to_next_deadline(self) -> float:
+        now = time.monotonic()
+        waits = [w.last_progress + self._limit(w) - now for w in self._workers if w.pending or not w.ready]
+        return max(0.0, min(waits, default=self.timeout_s)) + 0.01
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
+        return self._start_worker()
+
+
+def _safe_extract(completion: str) -> str | None:
+    try:
+        return extract_answer(completion)
+    except Exception:
+        return None
