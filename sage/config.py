@@ -331,12 +331,18 @@ def validate(cfg: DictConfig) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine")
+            raise ConfigError(
+                "rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
+            )
     t = cfg.trainer
     if (t.prompts_per_step * t.num_generations) % t.num_generations:
         raise ConfigError("trainer.prompts_per_step * num_generations must be divisible by num_generations")
     if t.num_generations < 2:
-        raise ConfigError(f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})")
+        raise ConfigError(
+            f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})"
+        )
     for k in cfg.eval.ks:
         if not 1 <= k <= cfg.eval.n_samples:
-            raise ConfigError(f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}")
+            raise ConfigError(
+                f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}"
+            )

@@ -23,7 +23,9 @@ def load_rows(source: str, split: str) -> Dataset:
     try:
         return load_dataset(source, split=split)
     except Exception as e:  # offline, unknown id, private: all mean "cannot load this source"
-        raise RuntimeError(f"data source {source!r} (split {split!r}) could not be loaded: {type(e).__name__}: {e}") from e
+        raise RuntimeError(
+            f"data source {source!r} (split {split!r}) could not be loaded: {type(e).__name__}: {e}"
+        ) from e
 
 
 def require_fields(ds: Dataset, fields: list[str], source: str) -> None:
@@ -57,7 +59,9 @@ def sft_dataset(source: str, split: str, max_prompt_length: int, chat: bool) -> 
     ds = load_rows(source, split)
     require_fields(ds, ["problem", "generated_solution", "expected_answer"], source)
     prompts, completions = [], []
-    for problem, solution, answer in zip(ds["problem"], ds["generated_solution"], ds["expected_answer"], strict=True):
+    for problem, solution, answer in zip(
+        ds["problem"], ds["generated_solution"], ds["expected_answer"], strict=True
+    ):
         try:
             float(str(answer).replace(",", ""))
         except ValueError:

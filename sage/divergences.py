@@ -69,7 +69,9 @@ class ReverseKL:
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
-            raise ValueError(f"divergence.beta must be > 0 for reverse_kl (got {self.beta}); use divergence=none")
+            raise ValueError(
+                f"divergence.beta must be > 0 for reverse_kl (got {self.beta}); use divergence=none"
+            )
         if self.estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"divergence.estimator must be one of k1, k2, k3 (got {self.estimator!r})")
 
@@ -92,7 +94,9 @@ class ForwardKL:
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
-            raise ValueError(f"divergence.beta must be > 0 for forward_kl (got {self.beta}); use divergence=none")
+            raise ValueError(
+                f"divergence.beta must be > 0 for forward_kl (got {self.beta}); use divergence=none"
+            )
 
     def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
         return forward_kl(logp, ref_logp)

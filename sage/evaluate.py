@@ -49,7 +49,9 @@ def _prompt_texts(tokenizer, rows: list[dict], chat: bool) -> list[str]:
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, rows: list[dict], s: SamplingSettings, batch_size: int) -> list[list[str]]:
+def sample_completions(
+    model, tokenizer, rows: list[dict], s: SamplingSettings, batch_size: int
+) -> list[list[str]]:
     """n_samples completions per row. All (prompt, sample) pairs are flattened, ordered by prompt length
     and generated batch_size sequences at a time, so short prompts are not padded to long ones."""
     texts = _prompt_texts(tokenizer, rows, s.chat)
@@ -61,7 +63,9 @@ def sample_completions(model, tokenizer, rows: list[dict], s: SamplingSettings, 
     do_sample = s.temperature > 0
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        enc = tokenizer([texts[i] for i, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(
+            [texts[i] for i, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False
+        )
         enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
         gen = model.generate(
             **enc,
@@ -97,7 +101,11 @@ def evaluate_dataset(
         if meta["settings"] == asdict(settings) and meta["ids"] == ids:
             log.info("reusing finished evaluation cell %s", cell)
             completions = json.loads((cell / "completions.json").read_text())
-            return {"correct": np.load(cell / "correct.npy"), "completions": completions, "settings": settings}
+            return {
+                "correct": np.load(cell / "correct.npy"),
+                "completions": completions,
+                "settings": settings,
+            }
         log.warning("stored cell %s was made with other settings or problems: re-sampling", cell)
     t0 = time.perf_counter()
     completions = sample_completions(model, tokenizer, rows, settings, batch_size)
@@ -105,7 +113,12 @@ def evaluate_dataset(
     flat = [c for per_row in completions for c in per_row]
     golds = [r["answer"] for r in rows for _ in range(settings.n_samples)]
     correct = np.asarray(pool.grade_many(flat, golds), dtype=bool).reshape(len(rows), settings.n_samples)
-    log.info("sampled %d completions in %.1fs, graded in %.1fs", len(flat), t_sample, time.perf_counter() - t0 - t_sample)
+    log.info(
+        "sampled %d completions in %.1fs, graded in %.1fs",
+        len(flat),
+        t_sample,
+        time.perf_counter() - t0 - t_sample,
+    )
     # Written to a temporary folder and renamed: a killed evaluation leaves no half-finished cell.
     tmp = cell.with_name(cell.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -170,7 +183,13 @@ def evaluate_model(
                 )
                 per_seed.append(
                     evaluate_dataset(
-                        model, tokenizer, rows, s, results_dir=results_dir / name, batch_size=eval_cfg.batch_size, pool=pool
+                        model,
+                        tokenizer,
+                        rows,
+                        s,
+                        results_dir=results_dir / name,
+                        batch_size=eval_cfg.batch_size,
+                        pool=pool,
                     )
                 )
             correct = [r["correct"] for r in per_seed]

@@ -152,7 +152,9 @@ class TokenGuide:
         p = self.params(step)
         source = ref_logps if self.source == "ref" else logps
         if source is None:
-            raise ValueError("guide.source='ref' needs a reference model; it is not loaded with divergence=none")
+            raise ValueError(
+                "guide.source='ref' needs a reference model; it is not loaded with divergence=none"
+            )
         q = token_q(source.detach(), mask, p["alpha"], p["sigma"], self.normalisation, self._generator)
         return finalize(q, mask, self.q_min, self.q_max)
 
@@ -170,4 +172,6 @@ class BranchGuide:
         return {"ratio": self.ratio, "threshold": self.threshold}
 
     def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
-        return finalize(branch_q(entropies.detach(), self.ratio, self.threshold), mask, self.q_min, self.q_max)
+        return finalize(
+            branch_q(entropies.detach(), self.ratio, self.threshold), mask, self.q_min, self.q_max
+        )

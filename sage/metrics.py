@@ -22,8 +22,8 @@ def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
         raise ValueError(f"pass_at_k: {name} must be an integer, got {value!r}")
     integral = np.asarray(array, dtype=np.int64)
     if np.any(integral != array):
-        bad = array.flat[np.flatnonzero(integral != array)[0]]
-        raise ValueError(f"pass_at_k: {name}={bad!r} is not an integer")
+        bad = array.flat[np.flatnonzero(integral != array)[0]].item()
+        raise ValueError(f"pass_at_k: {name}={bad} is not an integer")
     return integral
 
 

@@ -13,8 +13,14 @@ def from_hub(repo_id: str) -> str:
 
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     try:
-        return snapshot_download(repo_id, local_files_only=offline, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        return snapshot_download(
+            repo_id, local_files_only=offline, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+        )
     except LocalEntryNotFoundError as e:
-        raise RuntimeError(f"model {repo_id!r} is not in the local hub cache and the hub is not reachable: {e}") from e
+        raise RuntimeError(
+            f"model {repo_id!r} is not in the local hub cache and the hub is not reachable: {e}"
+        ) from e
     except Exception as e:  # network errors come in many types; all mean the same thing to the user
-        raise RuntimeError(f"model {repo_id!r} could not be fetched from the hub ({type(e).__name__}: {e})") from e
+        raise RuntimeError(
+            f"model {repo_id!r} could not be fetched from the hub ({type(e).__name__}: {e})"
+        ) from e

@@ -31,11 +31,11 @@ register_configs()
 def build_parts(cfg: DictConfig):
     """Divergence, guide (with its schedule) — cheap objects that fail fast on bad values."""
     divergence = build(cfg.divergence)
-    schedule = build(cfg.schedule)
-    if cfg.schedule.get("_partial_"):
-        schedule = schedule(max_steps=cfg.trainer.max_steps)
     guide = build(cfg.guide)
-    if cfg.guide.get("_partial_"):
+    if cfg.guide.get("_partial_"):  # an annealed guide: the trainer supplies the schedule over max_steps
+        schedule = build(cfg.schedule)
+        if cfg.schedule.get("_partial_"):
+            schedule = schedule(max_steps=cfg.trainer.max_steps)
         guide = guide(schedule=schedule)
     return divergence, guide
 
@@ -66,7 +66,9 @@ def grpo_args(cfg: DictConfig, output_dir: Path):
         gradient_checkpointing=t.gradient_checkpointing,
         bf16=t.bf16,
         max_completion_length=cfg.model.max_completion_length,
-        model_init_kwargs={"dtype": cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else cfg.model.dtype},
+        model_init_kwargs={
+            "dtype": cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else cfg.model.dtype
+        },
         beta=cfg.divergence.beta,
         use_bias_correction_kl=bool(cfg.divergence.get("importance_weighted", False)),
         loss_type=str(a.loss_type.value),
@@ -98,7 +100,11 @@ def lora_config(cfg: DictConfig):
 
     lo = cfg.model.lora
     return LoraConfig(
-        r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules), task_type="CAUSAL_LM"
+        r=lo.r,
+        lora_alpha=lo.alpha,
+        lora_dropout=lo.dropout,
+        target_modules=list(lo.target_modules),
+        task_type="CAUSAL_LM",
     )
 
 
@@ -157,36 +163,10 @@ def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) ->
     return "\n".join(lines)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    validate(cfg)
-    divergence, guide = build_parts(cfg)
-    out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-
-    from transformers.trainer_utils import get_last_checkpoint
-
-    rl_dir = out / "rl"
-    last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
-    if cfg.resume and last is None:
-        raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
-    if not cfg.resume and last is not None:
-        raise ConfigError(f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir")
-
-    # Everything cheap that can fail (data files, eval files) fails before the model is built.
-    dataset = build(cfg.data, chat=cfg.model.chat)
-    from sage.evaluate import evaluate_model, load_eval_rows
-
-    eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if cfg.eval.at_end else {}
-    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-
-    from transformers import set_seed
-
+def rl(cfg: DictConfig, start_path: str, dataset, divergence, guide, rl_dir: Path, last: str | None, out: Path) -> Path:
+    """The RL stage; returns the folder of the final model (or LoRA adapter)."""
     from sage.rewards import math_verify_reward
     from sage.trainer import SageGRPOTrainer
-
-    set_seed(cfg.seed)
-    base_path = build(cfg.model.source)
-    start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
 
     trainer = SageGRPOTrainer(
         model=start_path,
@@ -202,17 +182,51 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer.save_model(str(final))
     trainer.processing_class.save_pretrained(str(final))
     (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
-    metrics: dict[str, float] = {"train/steps": float(trainer.state.global_step)}
-    del trainer
+    return final
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    validate(cfg)
+    divergence, guide = build_parts(cfg)
+    out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    rl_dir = out / "rl"
+    last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
+    if cfg.resume and last is None:
+        raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
+    if not cfg.resume and last is not None:
+        raise ConfigError(
+            f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir"
+        )
+
+    # Everything cheap that can fail (data files, eval files) fails before the model is built.
+    dataset = build(cfg.data, chat=cfg.model.chat)
+    from sage.evaluate import evaluate_model, load_eval_rows
+
+    eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if cfg.eval.at_end else {}
+    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
+    base_path = build(cfg.model.source)
+    start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
+
+    metrics: dict[str, float] = {}
+    # The base model's cells are shared by every run that starts from it (same settings, same seed).
+    to_evaluate = [("base", start_path, base_results_dir(start_path))]
+    if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
+        final = rl(cfg, start_path, dataset, divergence, guide, rl_dir, last, out)
+        metrics["train/steps"] = float(cfg.trainer.max_steps)
+        to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
 
     if cfg.eval.at_end:
         max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
         table = {}
-        for label, path, rdir in [
-            # The base model's cells are shared by every run that starts from it (same settings, same seed).
-            ("base", start_path, base_results_dir(start_path)),
-            ("trained", str(final), out / "eval" / "trained"),
-        ]:
+        for label, path, rdir in to_evaluate:
             res = evaluate_model(
                 path, eval_rows, cfg.eval, chat=cfg.model.chat, max_new_tokens=max_new, results_dir=rdir,
                 dtype=str(cfg.model.dtype.value),
@@ -221,20 +235,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
             for ds, r in res.items():
                 metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
         print("\n" + format_table(table, list(cfg.eval.ks)))
-    print(f"\nrun outputs: {out}  (final model: {final})")
+    print(f"\nrun outputs: {out}")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float | None:
+def _hydra_main(cfg: DictConfig) -> dict[str, float]:
+    """Returns every metric of the run; a sweeper picks its objectives from them by name."""
     try:
-        metrics = train(cfg)
+        return train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    first = next(iter(cfg.eval.datasets), None) if cfg.eval.at_end else None
-    return metrics.get(f"trained/{first}/pass@1") if first else None
 
 
 def main() -> None:

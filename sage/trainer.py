@@ -99,7 +99,9 @@ class SageGRPOTrainer(GRPOTrainer):
         step = self.state.global_step  # optimiser steps: the schedule must not run faster under accumulation
         mode = "train" if self.model.training else "eval"
         with torch.no_grad():
-            q = self.guide(logps=logps.detach(), ref_logps=ref_logps, entropies=entropies, mask=mask, step=step)
+            q = self.guide(
+                logps=logps.detach(), ref_logps=ref_logps, entropies=entropies, mask=mask, step=step
+            )
         self._log_guide(q, mask, step, mode)
         if beta == 0.0:
             return loss

@@ -167,6 +167,16 @@ def test_model_cache_reuses_builds_and_separates_configs(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_build_is_deterministic_given_seed(tmp_path: Path) -> None:
+    first = build_tiny_model(**TINY, cache_dir=str(tmp_path / "a"))
+    second = build_tiny_model(**TINY, cache_dir=str(tmp_path / "b"))
+    other_seed = build_tiny_model(**{**TINY, "seed": 1}, cache_dir=str(tmp_path / "a"))
+    weights = [Path(p, "model.safetensors").read_bytes() for p in (first, second, other_seed)]
+    assert weights[0] == weights[1]
+    assert weights[0] != weights[2]
+
+
+@pytest.mark.slow
 def test_built_model_loads_offline_with_consistent_special_tokens(tmp_path: Path) -> None:
     path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

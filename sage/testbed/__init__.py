@@ -1,0 +1,4 @@
+"""Embedded testbed: a verifiable arithmetic world (``task``) and a tiny Qwen2 trained on it (``model``).
+
+Nothing is re-exported here so that importing the pure-python ``task`` module never pulls in torch.
+"""

@@ -66,9 +66,7 @@ def _free_port() -> int:
 
 def _node_state(env: dict[str, str]) -> str | None:
     try:
-        out = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.split()

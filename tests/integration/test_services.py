@@ -7,7 +7,6 @@ hanging the session.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -53,7 +52,10 @@ def _sacct_state(job_id: str, env: dict[str, str], final: bool = True, timeout: 
     while True:
         out = subprocess.run(
             ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"],
-            env=env, capture_output=True, text=True, timeout=15,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=15,
         )
         assert out.returncode == 0, f"sacct failed: {out.stderr}"
         state = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
@@ -153,8 +155,12 @@ def test_optuna_study_on_postgres(postgres_url):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = f"sage-it-{uuid.uuid4().hex[:8]}"
-    study = optuna.create_study(study_name=name, storage=postgres_url, direction="minimize",
-                                sampler=optuna.samplers.RandomSampler(seed=0))
+    study = optuna.create_study(
+        study_name=name,
+        storage=postgres_url,
+        direction="minimize",
+        sampler=optuna.samplers.RandomSampler(seed=0),
+    )
     study.optimize(lambda t: (t.suggest_float("x", -10, 10) - 2) ** 2, n_trials=3)
 
     loaded = optuna.load_study(study_name=name, storage=postgres_url)

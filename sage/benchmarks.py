@@ -1,0 +1,250 @@
+"""Benchmark loaders: every benchmark becomes rows ``{"id", "problem", "answer"}`` of strings.
+
+Each benchmark stores its gold answer differently (a LaTeX string, a float, the last ``\\boxed{}`` of a
+worked solution, a sentence); this module turns them all into the answer text that `sage.rewards.grade`
+compares against, so the evaluator never needs to know where a problem came from. Every row is checked for
+its required fields before anything is converted, and a bad row fails with one line naming file, row and
+field rather than a KeyError deep inside an evaluation run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from sage.rewards import last_boxed_content
+
+Row = dict[str, str]
+PathOrId = str | os.PathLike[str]
+RawRow = Mapping[str, Any]
+
+
+class BenchmarkUnavailable(RuntimeError):
+    """A hub dataset could not be loaded (no network, no access, unknown id). Never replaced silently by
+    something else: an evaluation on the wrong data is worse than no evaluation."""
+
+
+class _RowProblem(ValueError):
+    """A problem with one row's content; `load_benchmark` adds the file and row number to the message."""
+
+
+def _answer_text(value: Any) -> str:
+    """Gold answer as text. Integral numbers lose their `.0` (AMC23 stores 27.0 for 27); other floats keep
+    their positional decimal form (0.5, never 5e-01), which Math-Verify parses exactly."""
+    if isinstance(value, bool):
+        raise _RowProblem(f"answer {value!r} is a boolean, not an answer")
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return str(int(number)) if number.is_integer() else format(Decimal(repr(number)), "f")
+    return str(value).strip()
+
+
+def _plain_answer(row: RawRow) -> str:
+    return _answer_text(row["answer"])
+
+
+def _aime_answer(row: RawRow) -> str:
+    """AIME answers are integers 0-999, written with leading zeros in some copies ("025")."""
+    text = _answer_text(row["answer"])
+    return str(int(text)) if text.isdigit() else text
+
+
+def _minerva_answer(row: RawRow) -> str:
+    """Minerva has no answer column: the gold answer is the last `\\boxed{}` of the worked solution."""
+    boxed = last_boxed_content(str(row["solution"]))
+    if boxed is None or not boxed.strip():
+        raise _RowProblem("field 'solution' has no \\boxed{} answer")
+    return boxed.strip()
+
+
+def _knights_knaves_answer(row: RawRow) -> str:
+    """The one-sentence-per-person solution ("(1) Zoey is a knave\\n(2) ..."), what K&K graders parse."""
+    return str(row["solution_text_format"]).strip()
+
+
+def _level(value: Any) -> int | None:
+    """MATH levels are ints in some copies and "Level 5" in others."""
+    match = re.search(r"\d+", str(value))
+    return int(match.group()) if match else None
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one benchmark's raw rows map to `Row`s."""
+
+    id_field: str
+    problem_field: str
+    answer: Callable[[RawRow], str]
+    # Checked on every row before conversion; includes the fields `answer` and `keep` read.
+    required: tuple[str, ...]
+    keep: Callable[[RawRow], bool] = lambda row: True
+
+
+_AIME = _Spec("id", "problem", _aime_answer, ("id", "problem", "answer"))
+
+BENCHMARKS: dict[str, _Spec] = {
+    "math500": _Spec("unique_id", "problem", _plain_answer, ("unique_id", "problem", "answer")),
+    "math500_l5": _Spec(
+        "unique_id",
+        "problem",
+        _plain_answer,
+        ("unique_id", "problem", "answer", "level"),
+        keep=lambda row: _level(row["level"]) == 5,
+    ),
+    # "aime" is AIME 2024 + 2025: pass both files (or hub ids) as a list of sources.
+    "aime": _AIME,
+    "aime24": _AIME,
+    "aime25": _AIME,
+    "amc23": _Spec("id", "problem", _plain_answer, ("id", "problem", "answer")),
+    "minerva": _Spec("idx", "problem", _minerva_answer, ("idx", "problem", "solution")),
+    # K-and-K/knights-and-knaves: subset "test" or "train", split "2ppl" ... "8ppl".
+    "knights_knaves": _Spec(
+        "index", "quiz", _knights_knaves_answer, ("index", "quiz", "solution_text_format")
+    ),
+}
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}: row {number}: invalid JSON ({error.msg})") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+    yield from enumerate(data, start=1)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pandas  # deferred: only parquet sources need it
+
+    yield from enumerate(pandas.read_parquet(path).to_dict("records"), start=1)
+
+
+_READERS: dict[str, Callable[[Path], Iterator[tuple[int, Any]]]] = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json,
+    ".parquet": _read_parquet,
+}
+
+
+def _read_hub(source: str, subset: str | None, split: str) -> list[tuple[int, Any]]:
+    import datasets  # deferred: importing it costs seconds and local files do not need it
+
+    try:
+        dataset = datasets.load_dataset(source, subset, split=split)
+    except Exception as error:
+        reason = next(iter(str(error).strip().splitlines()), "") or type(error).__name__
+        raise BenchmarkUnavailable(
+            f"cannot load hub dataset {source!r} (subset={subset!r}, split={split!r}): {reason}"
+        ) from error
+    return list(enumerate(dataset, start=1))
+
+
+def _read_source(source: PathOrId, subset: str | None, split: str) -> tuple[str, list[tuple[int, Any]]]:
+    """(label, numbered raw rows): a local .jsonl/.json/.parquet file, else a hub dataset id."""
+    path = Path(source)
+    if path.suffix in _READERS:
+        if not path.is_file():
+            raise FileNotFoundError(f"benchmark file not found: {path}")
+        return str(path), list(_READERS[path.suffix](path))
+    if path.exists():
+        raise ValueError(f"{path}: unsupported benchmark source; expected one of {', '.join(_READERS)}")
+    return str(source), _read_hub(str(source), subset, split)
+
+
+def _missing(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return math.isnan(value)
+    return isinstance(value, str) and not value.strip()
+
+
+def _check_rows(label: str, rows: list[tuple[int, Any]], required: tuple[str, ...]) -> None:
+    for number, raw in rows:
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{label}: row {number}: expected an object, got {type(raw).__name__}")
+        for field in required:
+            if _missing(raw.get(field)):
+                raise ValueError(f"{label}: row {number}: missing required field {field!r}")
+
+
+def _to_row(spec: _Spec, raw: RawRow, id_prefix: str) -> Row:
+    return {
+        "id": f"{id_prefix}{raw[spec.id_field]}",
+        "problem": str(raw[spec.problem_field]),
+        "answer": spec.answer(raw),
+    }
+
+
+def load_benchmark(
+    name: str,
+    source: PathOrId | Sequence[PathOrId],
+    *,
+    split: str = "test",
+    subset: str | None = None,
+    limit: int | None = None,
+) -> list[Row]:
+    """Rows `{"id", "problem", "answer"}` of benchmark `name` (a key of `BENCHMARKS`).
+
+    `source` is a local .jsonl/.json/.parquet file or a hub id (`datasets.load_dataset(source, subset,
+    split=split)`), or a list of them whose rows are concatenated in order: "aime" is
+    `[aime24.jsonl, aime25.jsonl]`. Ids are the source's own id field, prefixed with the source (file
+    path stem or hub id) when there are several sources, so they are stable and unique; duplicates raise.
+    `limit` keeps the first rows after filtering (math500_l5 keeps level 5 only).
+    """
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    spec = BENCHMARKS[name]
+    sources = [source] if isinstance(source, str | os.PathLike) else list(source)
+    if not sources:
+        raise ValueError(f"no source given for benchmark {name!r}")
+    loaded = [_read_source(s, subset, split) for s in sources]
+    for label, rows in loaded:
+        _check_rows(label, rows, spec.required)
+
+    out: list[Row] = []
+    for source_item, (label, rows) in zip(sources, loaded, strict=True):
+        prefix = f"{_source_tag(source_item)}/" if len(sources) > 1 else ""
+        for number, raw in rows:
+            if not spec.keep(raw):
+                continue
+            try:
+                out.append(_to_row(spec, raw, prefix))
+            except _RowProblem as problem:
+                raise ValueError(f"{label}: row {number}: {problem}") from None
+    _check_unique_ids(name, out)
+    return out if limit is None else out[:limit]
+
+
+def _source_tag(source: PathOrId) -> str:
+    """File stem ("aime24") for a file, the id itself for a hub dataset."""
+    path = Path(source)
+    return path.stem if path.suffix in _READERS else str(source)
+
+
+def _check_unique_ids(name: str, rows: list[Row]) -> None:
+    seen: set[str] = set()
+    for row in rows:
+        if row["id"] in seen:
+            raise ValueError(f"benchmark {name!r}: duplicate id {row['id']!r}")
+        seen.add(row["id"])

@@ -1,0 +1,152 @@
+"""Benchmark loaders on the real files: row counts, answer normalisation, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sage.benchmarks import BenchmarkUnavailable, load_benchmark
+
+DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
+SOURCES: dict[str, Path | list[Path]] = {
+    "math500": DATA_DIR / "math500.jsonl",
+    "math500_l5": DATA_DIR / "math500.jsonl",
+    "aime": [DATA_DIR / "aime24.jsonl", DATA_DIR / "aime25.jsonl"],
+    "amc23": DATA_DIR / "amc23.jsonl",
+    "minerva": DATA_DIR / "minerva_math.jsonl",
+}
+needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark files not found in {DATA_DIR}")
+
+
+@needs_data
+@pytest.mark.parametrize(
+    ("name", "rows"), [("aime", 60), ("amc23", 40), ("math500", 500), ("math500_l5", 134), ("minerva", 272)]
+)
+def test_row_counts_and_unique_ids(name: str, rows: int) -> None:
+    loaded = load_benchmark(name, SOURCES[name])
+    assert len(loaded) == rows
+    assert len({row["id"] for row in loaded}) == rows
+    assert all(set(row) == {"id", "problem", "answer"} for row in loaded)
+    assert all(isinstance(v, str) and v for row in loaded for v in row.values())
+
+
+@needs_data
+def test_ids_are_stable_and_say_which_aime() -> None:
+    first = load_benchmark("aime", SOURCES["aime"])
+    assert [r["id"] for r in first] == [r["id"] for r in load_benchmark("aime", SOURCES["aime"])]
+    assert first[0]["id"] == "aime24/60" and first[-1]["id"].startswith("aime25/")
+
+
+@needs_data
+def test_math500_l5_is_the_level_5_subset() -> None:
+    raw = [json.loads(line) for line in SOURCES["math500"].read_text().splitlines()]
+    level5 = {r["unique_id"] for r in raw if r["level"] == 5}
+    assert {r["id"] for r in load_benchmark("math500_l5", SOURCES["math500_l5"])} == level5
+
+
+@needs_data
+def test_amc23_float_answers_become_integers() -> None:
+    rows = load_benchmark("amc23", SOURCES["amc23"])
+    assert rows[0]["answer"] == "27"
+    assert all("." not in r["answer"] for r in rows)
+
+
+def test_non_integral_floats_keep_decimal_form(tmp_path: Path) -> None:
+    path = tmp_path / "amc.jsonl"
+    answers = [27.0, 2.5, -1.0, 1e-05]
+    path.write_text(
+        "".join(json.dumps({"id": i, "problem": "p", "answer": a}) + "\n" for i, a in enumerate(answers))
+    )
+    assert [r["answer"] for r in load_benchmark("amc23", path)] == ["27", "2.5", "-1", "0.00001"]
+
+
+@needs_data
+def test_minerva_answer_is_last_boxed_of_solution() -> None:
+    rows = load_benchmark("minerva", SOURCES["minerva"])
+    raw = json.loads(SOURCES["minerva"].read_text().splitlines()[0])
+    assert "\\boxed{1.6}" in raw["solution"]
+    assert rows[0]["answer"] == "1.6"
+    assert not any("\\boxed" in r["answer"] for r in rows)
+
+
+def test_minerva_nested_braces_and_missing_box(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        json.dumps({"idx": 0, "problem": "p", "solution": r"\boxed{1}, then \boxed {\frac{1}{2}} cm"})
+    )
+    assert load_benchmark("minerva", good)[0]["answer"] == r"\frac{1}{2}"
+    bad = tmp_path / "minerva.jsonl"
+    rows = [
+        {"idx": 0, "problem": "p", "solution": r"\boxed{1}"},
+        {"idx": 1, "problem": "p", "solution": "no box"},
+    ]
+    bad.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"minerva\.jsonl: row 2: .*boxed") as error:
+        load_benchmark("minerva", bad)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("missing", ["problem", "answer"])
+def test_missing_field_is_one_line_naming_file_row_field(tmp_path: Path, missing: str) -> None:
+    path = tmp_path / "bench.jsonl"
+    rows = [{"id": i, "problem": f"p{i}", "answer": str(i)} for i in range(3)]
+    if missing == "answer":
+        rows[1]["answer"] = None  # a null counts as missing
+    else:
+        del rows[1]["problem"]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(ValueError) as error:
+        load_benchmark("aime24", path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert str(path) in message and "row 2" in message and repr(missing) in message
+
+
+def test_missing_field_detected_before_conversion(tmp_path: Path) -> None:
+    """Row 3 lacks its box (a conversion error) but row 5 lacks a field: the field check runs first."""
+    path = tmp_path / "m.jsonl"
+    rows = [{"idx": i, "problem": "p", "solution": r"\boxed{1}"} for i in range(5)]
+    rows[2]["solution"] = "unboxed"
+    del rows[4]["problem"]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"row 5: missing required field 'problem'"):
+        load_benchmark("minerva", path)
+
+
+def test_duplicate_ids_and_unknown_names_raise(tmp_path: Path) -> None:
+    path = tmp_path / "dup.jsonl"
+    path.write_text("\n".join(json.dumps({"id": 1, "problem": "p", "answer": "1"}) for _ in range(2)))
+    with pytest.raises(ValueError, match="duplicate id '1'"):
+        load_benchmark("amc23", path)
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        load_benchmark("gsm8k", path)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_benchmark("amc23", tmp_path / "nope.jsonl")
+
+
+def test_limit_applies_after_filtering(tmp_path: Path) -> None:
+    path = tmp_path / "math.jsonl"
+    rows = [{"unique_id": str(i), "problem": "p", "answer": "1", "level": 5 - i % 2} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [r["id"] for r in load_benchmark("math500_l5", path, limit=2)] == ["0", "2"]
+
+
+def test_unreachable_hub_id_is_a_clear_one_line_error() -> None:
+    """Offline mode makes the failure immediate instead of 25 s of retries; the code path is the same."""
+    script = (
+        "from sage.benchmarks import load_benchmark\n"
+        "load_benchmark('knights_knaves', 'K-and-K/knights-and-knaves', subset='test', split='3ppl')\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(BenchmarkUnavailable.__name__) or "BenchmarkUnavailable" in last
+    assert "K-and-K/knights-and-knaves" in last and "split='3ppl'" in last

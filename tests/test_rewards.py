@@ -1,0 +1,226 @@
+"""The grader: every real gold answer self-verifies, wrong answers fail, adversarial output never hangs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from sage.benchmarks import load_benchmark
+from sage.rewards import GradingPool, extract_answer, grade, math_verify_reward
+
+DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
+BENCHMARK_SOURCES: dict[str, Path | list[Path]] = {
+    "math500": DATA_DIR / "math500.jsonl",
+    "aime": [DATA_DIR / "aime24.jsonl", DATA_DIR / "aime25.jsonl"],
+    "amc23": DATA_DIR / "amc23.jsonl",
+    "minerva": DATA_DIR / "minerva_math.jsonl",
+}
+
+
+def _completion(answer: str) -> str:
+    return f"<start_working_out>Let me think.<end_working_out><SOLUTION>{answer}</SOLUTION>"
+
+
+def _different_answer(gold: str) -> str:
+    """gold + 1 for a plain number, else a number that no non-numeric gold can equal."""
+    if re.fullmatch(r"-?\d+(\.\d+)?", gold):
+        return str(Decimal(gold) + 1)
+    return "123456789"
+
+
+# --- extraction ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<SOLUTION>1</SOLUTION> then <SOLUTION> 2 </SOLUTION>", "2"),
+        ("<SOLUTION>\\boxed{3}</SOLUTION>", "\\boxed{3}"),
+        ("so \\boxed{1} or rather \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed {x^{2}}", "x^{2}"),
+        ("\\fbox{\\{1, 2\\}}", "\\{1, 2\\}"),
+        ("\\boxed{\\boxed{7}}", "7"),  # the last opener is the innermost box
+        ("\\boxed{1} \\boxed{unclosed", None),
+        ("<SOLUTION>5", None),  # cut off: the \boxed fallback applies only when there is no tag at all
+        ("<SOLUTION>5 \\boxed{5}", None),
+        ("no answer", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(completion: str, expected: str | None) -> None:
+    assert extract_answer(completion) == expected
+
+
+# --- grading ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold", "score"),
+    [
+        ("3\\sqrt{13}", "3\\sqrt{13}", 1.0),
+        ("3", "3\\sqrt{13}", 0.0),  # bare gold LaTeX would parse as 3: the gold must be boxed
+        ("\\sqrt{117}", "3\\sqrt{13}", 1.0),
+        ("(3, \\frac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("3", "\\left( 3, \\frac{\\pi}{2} \\right)", 0.0),
+        ("0.5", "\\frac{1}{2}", 1.0),
+        ("\\boxed{27}", "27", 1.0),
+        ("28", "27", 0.0),
+    ],
+)
+def test_grade_equivalence(answer: str, gold: str, score: float) -> None:
+    assert grade(_completion(answer), gold) == score
+
+
+def test_grade_falls_back_to_last_boxed() -> None:
+    assert grade("The answer is \\boxed{\\frac{1}{2}}.", "0.5") == 1.0
+
+
+def test_grade_works_outside_the_main_thread() -> None:
+    """Math-Verify's own signal.alarm raises ValueError in threads; ours is skipped there."""
+    scores: list[float] = []
+    worker = threading.Thread(target=lambda: scores.append(grade(_completion("\\frac{6}{4}"), "1.5")))
+    worker.start()
+    worker.join(timeout=30)
+    assert scores == [1.0]
+
+
+def test_reward_accepts_strings_and_chat_messages() -> None:
+    chat = [[{"role": "assistant", "content": _completion("4")}], [{"role": "assistant", "content": "5"}]]
+    assert math_verify_reward([_completion("4"), _completion("5")], answer=["4", "4"]) == [1.0, 0.0]
+    assert math_verify_reward(chat, answer=["4", "4"], problem=["p", "q"]) == [1.0, 0.0]
+    assert math_verify_reward.__name__ == "math_verify_reward"
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        math_verify_reward(["a", "b"], answer=["1"])
+
+
+# --- every real benchmark problem --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool() -> GradingPool:
+    with GradingPool(workers=2, timeout_s=5.0) as grading_pool:
+        yield grading_pool
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark files not found in {DATA_DIR}")
+def test_every_gold_answer_self_verifies_and_a_different_answer_fails(
+    pool: GradingPool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No exclusions: all 872 gold answers (MATH-500, AIME 24+25, AMC23, Minerva) verify against
+    themselves once boxed, and a different answer scores 0 for each."""
+    rows = [(name, row) for name, source in BENCHMARK_SOURCES.items() for row in load_benchmark(name, source)]
+    assert len(rows) == 872
+    wrong = [_different_answer(row["answer"]) for _, row in rows]
+    assert all(w != row["answer"] for w, (_, row) in zip(wrong, rows, strict=True))
+    golds = [row["answer"] for _, row in rows]
+    start = time.monotonic()
+    right_scores = pool.grade_many([_completion(g) for g in golds], golds)
+    wrong_scores = pool.grade_many([_completion(w) for w in wrong], golds)
+    elapsed = time.monotonic() - start
+    with capsys.disabled():
+        print(f"\n[grader] {2 * len(rows)} benchmark completions graded in {elapsed:.1f} s on 2 workers")
+    not_self = [
+        (name, row["id"], row["answer"]) for (name, row), s in zip(rows, right_scores, strict=True) if s != 1
+    ]
+    not_wrong = [
+        (name, row["id"], w) for (name, row), w, s in zip(rows, wrong, wrong_scores, strict=True) if s != 0
+    ]
+    assert not_self == []
+    assert not_wrong == []
+
+
+# --- adversarial output ---------------------------------------------------------------------------------
+
+GOLD = "7"
+ADVERSARIAL = {
+    "empty": "",
+    "1MB of text": "x" * 1_000_000,
+    "1MB answer": "<SOLUTION>" + "7" * 1_000_000 + "</SOLUTION>",
+    "unclosed solution tag": "<SOLUTION>7",
+    "unbalanced braces in answer": "<SOLUTION>{{{\\frac{7}{</SOLUTION>",
+    "unbalanced boxed": "\\boxed{" * 1000,
+    "stray closing braces": "}}}}\\boxed{7}}}}{{{{\\boxed{",
+    "nested boxed": "\\boxed{" * 100 + "8" + "}" * 100,
+    "10k digits": "<SOLUTION>" + "9" * 10_000 + "</SOLUTION>",
+    "999 digits": "<SOLUTION>" + "9" * 999 + "</SOLUTION>",
+    "frac nested 500 deep": "<SOLUTION>" + "\\frac{1}{" * 500 + "2" + "}" * 500 + "</SOLUTION>",
+    "frac nested 90 deep": "<SOLUTION>" + "\\frac{1}{" * 90 + "2" + "}" * 90 + "</SOLUTION>",
+    "python power tower": "<SOLUTION>10**10**10</SOLUTION>",
+    "latex power tower": "<SOLUTION>10^{10^{10}}</SOLUTION>",
+    "2^2^2^2^2^2": "<SOLUTION>2^{2^{2^{2^{2^{2}}}}}</SOLUTION>",
+    "huge exponent": "<SOLUTION>9^{999999999}</SOLUTION>",
+    "huge factorial": "<SOLUTION>(10^{10})!</SOLUTION>",
+    "millionth root": "<SOLUTION>\\sqrt[1000000]{2}</SOLUTION>",
+    "control characters": "<SOLUTION>\x00\uffff\\\\</SOLUTION>",
+}
+TIMEOUT_S = 1.0
+
+
+def test_adversarial_completions_score_zero_in_the_main_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    handler_before = signal.getsignal(signal.SIGALRM)
+    slowest = 0.0
+    start = time.monotonic()
+    for name, completion in ADVERSARIAL.items():
+        t0 = time.monotonic()
+        assert grade(completion, GOLD, timeout_s=TIMEOUT_S) == 0.0, name
+        took = time.monotonic() - t0
+        slowest = max(slowest, took)
+        assert took < TIMEOUT_S + 0.5, f"{name} took {took:.2f} s"
+    with capsys.disabled():
+        print(
+            f"\n[grader] {len(ADVERSARIAL)} adversarial completions in the main thread: "
+            f"{time.monotonic() - start:.1f} s, slowest {slowest:.2f} s"
+        )
+    assert grade(None, GOLD) == 0.0  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGALRM) is handler_before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert grade(_completion("7"), GOLD) == 1.0  # still grading after all that
+
+
+def test_adversarial_completions_score_zero_in_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    completions = [*ADVERSARIAL.values(), _completion("7")]
+    with GradingPool(workers=2, timeout_s=TIMEOUT_S) as grading_pool:
+        grading_pool.grade_many([_completion("1")], ["1"])  # workers started and warm
+        start = time.monotonic()
+        scores = grading_pool.grade_many(completions, [GOLD] * len(completions))
+        elapsed = time.monotonic() - start
+    with capsys.disabled():
+        print(f"\n[grader] {len(completions)} adversarial completions in the pool: {elapsed:.1f} s")
+    assert scores == [0.0] * len(ADVERSARIAL) + [1.0]
+    # at most every completion hitting its deadline, shared by 2 workers, plus slack for IPC
+    assert elapsed < len(completions) * (TIMEOUT_S + 0.5) / 2 + 2
+
+
+def test_pool_kills_and_replaces_a_hung_worker() -> None:
+    """A stopped process ignores every signal, like a worker stuck in C: the pool must not wait for it."""
+    answers = [str(i) for i in range(20)]
+    with GradingPool(workers=2, timeout_s=TIMEOUT_S, chunk_size=4) as grading_pool:
+        grading_pool.grade_many([_completion("1")], ["1"])
+        hung = grading_pool._workers[0].process
+        os.kill(hung.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        scores = grading_pool.grade_many([_completion(a) for a in answers], answers)
+        elapsed = time.monotonic() - start
+        assert sorted(scores) == [0.0] + [1.0] * 19  # only the item it hung on is lost
+        assert elapsed < TIMEOUT_S + 1.0 + 5
+        assert not hung.is_alive()
+        assert grading_pool.grade_many([_completion(a) for a in answers], answers) == [1.0] * 20
+
+
+def test_pool_matches_grade_and_deduplicates() -> None:
+    completions = [_completion("2"), _completion("3"), "garbage", _completion("2"), "\\boxed{2}"]
+    golds = ["2", "2", "2", "2", "2"]
+    with GradingPool(workers=2, timeout_s=5.0) as grading_pool:
+        assert grading_pool.grade_many(completions, golds) == [
+            grade(c, g) for c, g in zip(completions, golds)
+        ]
+        assert grading_pool.grade_many([], []) == []
+        with pytest.raises(ValueError, match="2 completions but 1"):
+            grading_pool.grade_many(["a", "b"], ["1"])
