@@ -8,7 +8,7 @@ per-group schema cannot see are checked by ``validate`` before any expensive wor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -21,47 +21,47 @@ class ConfigError(ValueError):
 
 # Enums make OmegaConf reject a wrong value at composition and list the allowed ones; the str mixin keeps
 # them equal to their names for the code they are passed to.
-class LossType(str, Enum):
+class LossType(StrEnum):
     grpo = "grpo"
     bnpo = "bnpo"
     dr_grpo = "dr_grpo"
     dapo = "dapo"
 
 
-class ScaleRewards(str, Enum):
+class ScaleRewards(StrEnum):
     group = "group"
     batch = "batch"
     none = "none"
 
 
-class ISLevel(str, Enum):
+class ISLevel(StrEnum):
     token = "token"
     sequence = "sequence"
 
 
-class Estimator(str, Enum):
+class Estimator(StrEnum):
     k1 = "k1"
     k2 = "k2"
     k3 = "k3"
 
 
-class Normalisation(str, Enum):
+class Normalisation(StrEnum):
     minmax = "minmax"
     rank = "rank"
     zscore = "zscore"
 
 
-class SurprisalSource(str, Enum):
+class SurprisalSource(StrEnum):
     policy = "policy"
     ref = "ref"
 
 
-class VllmMode(str, Enum):
+class VllmMode(StrEnum):
     colocate = "colocate"
     server = "server"
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

@@ -190,12 +190,16 @@ _WORKER_MEMORY_BYTES = 4 << 30  # a power tower must raise MemoryError, not take
 def _worker_main(conn: Connection, timeout_s: float) -> None:
     """Grade chunks of `(index, answer, gold)` and send `(index, score)` after every item, so that the
     parent knows exactly which item a hung worker is stuck on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the pool
     resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, resource.RLIM_INFINITY))
     grade_answer("1", "1", timeout_s=_START_TIMEOUT_S)  # load antlr/sympy before reporting ready
-    conn.send("ready")
-    while (chunk := conn.recv()) is not None:
-        for index, answer, gold in chunk:
-            conn.send((index, grade_answer(answer, gold, timeout_s=timeout_s)))
+    try:
+        conn.send("ready")
+        while (chunk := conn.recv()) is not None:
+            for index, answer, gold in chunk:
+                conn.send((index, grade_answer(answer, gold, timeout_s=timeout_s)))
+    except (EOFError, OSError):
+        pass  # the parent is gone: nothing left to grade for
 
 
 @dataclass
@@ -281,12 +285,9 @@ class GradingPool:
         queue: deque[int] = deque(range(len(pairs)))
         outstanding = len(pairs)
         while outstanding:
-            for worker in self._workers:
-                if worker.ready and not worker.pending and queue:
-                    chunk = [queue.popleft() for _ in range(min(self.chunk_size, len(queue)))]
-                    worker.conn.send([(i, *pairs[i]) for i in chunk])
-                    worker.pending.extend(chunk)
-                    worker.last_progress = time.monotonic()
+            for position, worker in enumerate(self._workers):
+                if worker.ready and not worker.pending and queue and not self._dispatch(worker, queue, pairs):
+                    self._workers[position] = self._replace(worker)
             ready = wait([w.conn for w in self._workers], timeout=self._time_to_next_deadline())
             for position, worker in enumerate(self._workers):
                 if worker.conn in ready:
@@ -303,6 +304,18 @@ class GradingPool:
                     )
                 self._workers[position] = self._replace(worker)
         return scores
+
+    def _dispatch(self, worker: _Worker, queue: deque[int], pairs: list[tuple[str, str]]) -> bool:
+        """Send the next chunk; False (chunk back on the queue) if the worker died while idle."""
+        chunk = [queue.popleft() for _ in range(min(self.chunk_size, len(queue)))]
+        try:
+            worker.conn.send([(i, *pairs[i]) for i in chunk])
+        except OSError:
+            queue.extendleft(reversed(chunk))
+            return False
+        worker.pending.extend(chunk)
+        worker.last_progress = time.monotonic()
+        return True
 
     def _receive(self, worker: _Worker, scores: list[float]) -> int:
         """Read every message a worker has sent; returns how many items it finished."""

@@ -14,7 +14,8 @@ def cosine_cycles(step: int, max_steps: int, start: float, end: float, cycles: i
     """Cosine decay from ``start`` to ``end`` repeated over ``cycles`` cycles; after each of the first
     cycles - 1 cycles the starting value is multiplied by ``decay`` (the authors' code)::
 
-        cycle_length = max_steps // cycles;  c = step // cycle_length;  t = (step mod cycle_length) / cycle_length
+        cycle_length = max_steps // cycles;  c = step // cycle_length
+        t = (step mod cycle_length) / cycle_length
         value = end + (start * decay**min(c, cycles - 1) - end) * 0.5 * (1 + cos(pi * t))
     """
     if step < 0:

@@ -163,7 +163,9 @@ def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) ->
     return "\n".join(lines)
 
 
-def rl(cfg: DictConfig, start_path: str, dataset, divergence, guide, rl_dir: Path, last: str | None, out: Path) -> Path:
+def rl(
+    cfg: DictConfig, start_path: str, dataset, divergence, guide, rl_dir: Path, last: str | None, out: Path
+) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
     from sage.rewards import math_verify_reward
     from sage.trainer import SageGRPOTrainer
@@ -228,7 +230,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         table = {}
         for label, path, rdir in to_evaluate:
             res = evaluate_model(
-                path, eval_rows, cfg.eval, chat=cfg.model.chat, max_new_tokens=max_new, results_dir=rdir,
+                path,
+                eval_rows,
+                cfg.eval,
+                chat=cfg.model.chat,
+                max_new_tokens=max_new,
+                results_dir=rdir,
                 dtype=str(cfg.model.dtype.value),
             )
             table[label] = {ds: r["summary"] for ds, r in res.items()}

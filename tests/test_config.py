@@ -49,7 +49,13 @@ ALL = [(g, o) for g in GROUPS for o in options(g)]
 
 def test_every_group_has_options():
     assert {g for g, _ in ALL} == set(GROUPS)
-    assert {"tiny", "qwen2.5-math-7b", "r1-distill-qwen-7b", "qwen2.5-math-1.5b-instruct", "qwen2.5-3b-instruct"} <= set(options("model"))
+    assert {
+        "tiny",
+        "qwen2.5-math-7b",
+        "r1-distill-qwen-7b",
+        "qwen2.5-math-1.5b-instruct",
+        "qwen2.5-3b-instruct",
+    } <= set(options("model"))
     assert {"grpo", "dapo", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
     assert {"reverse_kl", "none", "forward_kl"} == set(options("divergence"))
     assert {"none", "random", "token", "branch"} == set(options("guide"))

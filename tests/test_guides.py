@@ -1,4 +1,4 @@
-"""Guides against hand-computed values: clamping, padding, schedules, and the statistics of the random parts."""
+"""Guides against hand-computed values: clamping, padding, schedules, statistics of the random parts."""
 
 import pytest
 import torch
@@ -45,7 +45,9 @@ def test_normalise_rank_zscore_and_padding():
     assert torch.allclose(normalise_per_sequence(x, mask, "rank"), torch.tensor([[1.0, 0.0, 0.5, 0.0]]))
     z = normalise_per_sequence(x, mask, "zscore")  # mean 2, std sqrt(2/3)
     s = (2 / 3) ** 0.5
-    assert torch.allclose(z, torch.tensor([[torch.sigmoid(torch.tensor(1 / s)), torch.sigmoid(torch.tensor(-1 / s)), 0.5, 0.0]]))
+    assert torch.allclose(
+        z, torch.tensor([[torch.sigmoid(torch.tensor(1 / s)), torch.sigmoid(torch.tensor(-1 / s)), 0.5, 0.0]])
+    )
     # a constant sequence carries no signal: w == 0 for every method
     const = torch.full((1, 4), 2.0)
     for method in ("minmax", "rank", "zscore"):
@@ -61,12 +63,16 @@ def test_token_guide_without_noise_is_one_plus_alpha_w():
     g = TokenGuide(schedule=ConstantSchedule(), alpha_start=0.3, sigma_start=0.0, normalisation="rank")
     assert torch.allclose(g(logps=logps, ref_logps=None, entropies=None, mask=mask, step=0), q)
     with pytest.raises(ValueError, match="reference"):
-        TokenGuide(schedule=ConstantSchedule(), source="ref")(logps=logps, ref_logps=None, entropies=None, mask=mask, step=0)
+        TokenGuide(schedule=ConstantSchedule(), source="ref")(
+            logps=logps, ref_logps=None, entropies=None, mask=mask, step=0
+        )
 
 
 def test_random_guide_rate_scale_and_schedule():
     mask = torch.ones(200, 500)
-    g = RandomGuide(schedule=ConstantSchedule(), eps_start=0.1, sigma_start=0.15, q_min=0.0, q_max=10.0, seed=1)
+    g = RandomGuide(
+        schedule=ConstantSchedule(), eps_start=0.1, sigma_start=0.15, q_min=0.0, q_max=10.0, seed=1
+    )
     q = g(logps=None, ref_logps=None, entropies=None, mask=mask, step=0)
     active = q != 1
     assert active.float().mean().item() == pytest.approx(0.1, abs=0.005)
@@ -83,4 +89,6 @@ def test_random_guide_rate_scale_and_schedule():
 
 def test_no_guide_is_one():
     x = torch.randn(3, 4)
-    assert torch.equal(NoGuide()(logps=x, ref_logps=None, entropies=x, mask=torch.ones(3, 4), step=5), torch.ones(3, 4))
+    assert torch.equal(
+        NoGuide()(logps=x, ref_logps=None, entropies=x, mask=torch.ones(3, 4), step=5), torch.ones(3, 4)
+    )

@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def test_reward_accepts_strings_and_chat_messages() -> None:
 
 
 @pytest.fixture(scope="module")
-def pool() -> GradingPool:
+def pool() -> Iterator[GradingPool]:
     with GradingPool(workers=2, timeout_s=5.0) as grading_pool:
         yield grading_pool
 
@@ -214,12 +215,22 @@ def test_pool_kills_and_replaces_a_hung_worker() -> None:
         assert grading_pool.grade_many([_completion(a) for a in answers], answers) == [1.0] * 20
 
 
+def test_pool_replaces_a_worker_that_died_while_idle() -> None:
+    answers = [str(i) for i in range(10)]
+    with GradingPool(workers=2, timeout_s=TIMEOUT_S, chunk_size=2) as grading_pool:
+        grading_pool.grade_many([_completion("1")], ["1"])
+        dead = grading_pool._workers[1].process
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(timeout=10)
+        assert grading_pool.grade_many([_completion(a) for a in answers], answers) == [1.0] * 10
+
+
 def test_pool_matches_grade_and_deduplicates() -> None:
     completions = [_completion("2"), _completion("3"), "garbage", _completion("2"), "\\boxed{2}"]
     golds = ["2", "2", "2", "2", "2"]
     with GradingPool(workers=2, timeout_s=5.0) as grading_pool:
         assert grading_pool.grade_many(completions, golds) == [
-            grade(c, g) for c, g in zip(completions, golds)
+            grade(c, g) for c, g in zip(completions, golds, strict=True)
         ]
         assert grading_pool.grade_many([], []) == []
         with pytest.raises(ValueError, match="2 completions but 1"):

@@ -6,7 +6,6 @@ import pytest
 
 from sage.schedules import ConstantSchedule, CosineSchedule, cosine_cycles
 
-
 # cycle_length = 4; value = end + (start * 0.5**cycle - end) * 0.5 * (1 + cos(pi * t)), start=1, end=0
 TABLE = [
     (0, 1.0),  # cycle 0, t=0

@@ -16,7 +16,12 @@ from sage.trainer import SageGRPOTrainer, aggregate
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return build_tiny_model(
-        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, train_steps=3, n_train_problems=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        train_steps=3,
+        n_train_problems=64,
         cache_dir=str(tmp_path_factory.mktemp("cache")),
     )
 
@@ -28,13 +33,25 @@ def zero_reward(completions, **kwargs):
 def make(cls, path, tmp, beta, loss_type, iw=False, **kw):
     args = GRPOConfig(
         use_bias_correction_kl=iw,
-        output_dir=str(tmp), per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
-        beta=beta, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, report_to="none", max_steps=1,
-        gradient_checkpointing=False, disable_dropout=True, bf16=False,
+        output_dir=str(tmp),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        report_to="none",
+        max_steps=1,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        bf16=False,
     )
     t = cls(model=path, reward_funcs=[zero_reward], args=args, train_dataset=arith_dataset(16, 0), **kw)
     t.model.train()
-    t.current_gradient_accumulation_steps = 2  # set by Trainer's loop; 2 makes the accumulation scaling visible
+    t.current_gradient_accumulation_steps = (
+        2  # set by Trainer's loop; 2 makes the accumulation scaling visible
+    )
     return t
 
 
@@ -51,8 +68,10 @@ def fake_inputs(trainer, seed=0):
     completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
-            torch.cat([torch.ones(B, P, dtype=torch.long), completion_mask], 1), T,
+            trainer.model,
+            torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([torch.ones(B, P, dtype=torch.long), completion_mask], 1),
+            T,
         )
     return {
         "prompt_ids": prompt_ids,
@@ -80,22 +99,39 @@ def test_matches_trl(model_path, tmp_path, loss_type, beta, iw):
     """iw=True is TRL 1.16's default (use_bias_correction_kl); iw=False is the paper's plain k3 term."""
     trl_t = make(GRPOTrainer, model_path, tmp_path / "trl", beta, loss_type, iw=iw)
     divergence = ReverseKL(beta=beta, estimator="k3", importance_weighted=iw) if beta else NoDivergence()
-    sage_t = make(SageGRPOTrainer, model_path, tmp_path / "sage", beta, loss_type, iw=iw, divergence=divergence, guide=NoGuide())
+    sage_t = make(
+        SageGRPOTrainer,
+        model_path,
+        tmp_path / "sage",
+        beta,
+        loss_type,
+        iw=iw,
+        divergence=divergence,
+        guide=NoGuide(),
+    )
     inputs = fake_inputs(trl_t)
     l_trl, g_trl = loss_and_grad(trl_t, inputs)
     l_sage, g_sage = loss_and_grad(sage_t, inputs)
     assert abs(l_trl.item()) > 1e-4  # a non-trivial loss
     assert torch.allclose(l_sage, l_trl, atol=1e-6, rtol=0), (l_sage, l_trl)
     assert torch.allclose(g_sage, g_trl, atol=1e-6, rtol=1e-5)
-    if beta and not iw:  # the unshaped KL we log is TRL's own "kl" metric (TRL logs it ratio-weighted when iw)
-        assert sage_t._metrics["train"]["kl"][-1] == pytest.approx(trl_t._metrics["train"]["kl"][-1], abs=1e-6)
+    if (
+        beta and not iw
+    ):  # the unshaped KL we log is TRL's own "kl" metric (TRL logs it ratio-weighted when iw)
+        assert sage_t._metrics["train"]["kl"][-1] == pytest.approx(
+            trl_t._metrics["train"]["kl"][-1], abs=1e-6
+        )
 
 
 def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
     beta = 0.05
     guide = BranchGuide(ratio=0.3, threshold=0.5)  # a low threshold so that the random model's tokens fire
-    plain = make(SageGRPOTrainer, model_path, tmp_path / "a", beta, "grpo", divergence=ReverseKL(beta), guide=NoGuide())
-    shaped = make(SageGRPOTrainer, model_path, tmp_path / "b", beta, "grpo", divergence=ReverseKL(beta), guide=guide)
+    plain = make(
+        SageGRPOTrainer, model_path, tmp_path / "a", beta, "grpo", divergence=ReverseKL(beta), guide=NoGuide()
+    )
+    shaped = make(
+        SageGRPOTrainer, model_path, tmp_path / "b", beta, "grpo", divergence=ReverseKL(beta), guide=guide
+    )
     inputs = fake_inputs(plain, seed=1)
     l_plain, _ = loss_and_grad(plain, inputs)
     l_shaped, _ = loss_and_grad(shaped, inputs)
@@ -103,15 +139,29 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
     with torch.no_grad():
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        logps, ent, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, am, 12, compute_entropy=True)
+        logps, ent, _ = plain._get_per_token_logps_and_entropies(
+            plain.model, ids, am, 12, compute_entropy=True
+        )
         mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
         q = guide(logps=logps, ref_logps=ref, entropies=ent, mask=mask, step=0)
-        kw = dict(max_completion_length=12, num_items_in_batch=None, grad_accum_steps=2, steps_per_generation=plain.args.steps_per_generation, num_processes=1, training=True)
-        diff = beta * (aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw) - aggregate(k3(logps, ref), mask, "grpo", **kw))
+        kw = dict(
+            max_completion_length=12,
+            num_items_in_batch=None,
+            grad_accum_steps=2,
+            steps_per_generation=plain.args.steps_per_generation,
+            num_processes=1,
+            training=True,
+        )
+        diff = beta * (
+            aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw)
+            - aggregate(k3(logps, ref), mask, "grpo", **kw)
+        )
     active = shaped._metrics["train"]["guide/active_frac"][-1]
     assert active > 0.05
     assert abs(diff.item()) > 1e-5
     assert (l_shaped - l_plain).item() == pytest.approx(diff.item(), abs=1e-6)
     # KL to the unshaped reference is identical whichever guide is used: it is the comparable metric
     assert shaped._metrics["train"]["kl"][-1] == pytest.approx(plain._metrics["train"]["kl"][-1], abs=1e-7)
-    assert shaped._metrics["train"]["divergence"][-1] != pytest.approx(plain._metrics["train"]["divergence"][-1], abs=1e-6)
+    assert shaped._metrics["train"]["divergence"][-1] != pytest.approx(
+        plain._metrics["train"]["divergence"][-1], abs=1e-6
+    )

@@ -137,7 +137,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _teacher_examples(config: dict, tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> list[tuple]:
+def _teacher_examples(
+    config: dict, tokenizer: PreTrainedTokenizerFast, rng: random.Random
+) -> list[tuple[list[int], int]]:
     """(token ids, index of the first completion token) for every training example: problems drawn from
     a fixed train pool, each with a fresh teacher trace, so the model sees the strategy mix as data."""
     problems = make_problems("train", config["n_train_problems"], config["seed"])
@@ -153,7 +155,9 @@ def _teacher_examples(config: dict, tokenizer: PreTrainedTokenizerFast, rng: ran
     return examples
 
 
-def _collate(batch: list[tuple], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _collate(
+    batch: list[tuple[list[int], int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded inputs with labels only on completion tokens (and eos): the prompt is given, the
     model must learn to answer it, not to generate problems."""
     width = max(len(ids) for ids, _ in batch)

@@ -184,9 +184,11 @@ def is_correct(completion: str, answer: str) -> bool:
     return extract_answer(completion) == answer.strip()
 
 
-def _to_dataset(problems: list[dict]) -> datasets.Dataset:
+def _to_dataset(problems: list[dict], chat: bool) -> datasets.Dataset:
     import datasets
 
+    if chat:
+        raise ValueError("the testbed model has no chat template: use it with model.chat=false (model=tiny)")
     return datasets.Dataset.from_dict(
         {
             "prompt": [make_prompt(p["problem"], chat=False) for p in problems],
@@ -195,11 +197,19 @@ def _to_dataset(problems: list[dict]) -> datasets.Dataset:
     )
 
 
-def arith_dataset(n: int, seed: int) -> datasets.Dataset:
+def arith_dataset(n: int, seed: int, chat: bool = False) -> datasets.Dataset:
     """RL prompts (columns ``prompt``, ``answer``) from the train split."""
-    return _to_dataset(make_problems("train", n, seed))
+    return _to_dataset(make_problems("train", n, seed), chat)
 
 
-def heldout_dataset(n: int = 200, seed: int = 0) -> datasets.Dataset:
+def heldout_dataset(n: int = 200, seed: int = 0, chat: bool = False) -> datasets.Dataset:
     """Evaluation prompts from the held-out split, never seen by the base model's teacher data."""
-    return _to_dataset(make_problems("heldout", n, seed))
+    return _to_dataset(make_problems("heldout", n, seed), chat)
+
+
+def heldout_rows(n: int = 200, seed: int = 0) -> list[dict]:
+    """The held-out split as evaluation rows ``{id, problem, answer}`` (the benchmark loaders' format)."""
+    return [
+        {"id": p["problem"], "problem": p["problem"], "answer": p["answer"]}
+        for p in make_problems("heldout", n, seed)
+    ]
