@@ -268,6 +268,23 @@ class TrainerConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """MLflow: the single record of runs. Secrets (tokens, passwords) come only from the environment."""
+
+    enabled: bool = True
+    uri: str | None = field(
+        default=None,
+        metadata={"help": "None: $MLFLOW_TRACKING_URI, else sqlite:///<runs root>/mlflow.db (embedded)"},
+    )
+    experiment: str = "sage"
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict, metadata={"help": "extra tags, e.g. study, trial"})
+    completions_sample: int = field(
+        default=64, metadata={"help": "problems per dataset whose first 4 completions are saved as artifact"}
+    )
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: Any = MISSING
@@ -278,6 +295,8 @@ class TrainConfig:
     rollout: RolloutConfig = MISSING
     eval: EvalConfig = MISSING
     trainer: TrainerConfig = MISSING
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    method: str | None = field(default=None, metadata={"help": "method label for reports (method/ presets)"})
     seed: int = 0
     output_dir: str | None = field(default=None, metadata={"help": "None: Hydra's run (or sweep job) dir"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir's last checkpoint"})

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sage.config import ConfigError, build, register_configs, validate
+from sage.tracking import start_run
 
 log = logging.getLogger("sage.train")
 register_configs()
@@ -164,10 +165,19 @@ def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) ->
 
 
 def rl(
-    cfg: DictConfig, start_path: str, dataset, divergence, guide, rl_dir: Path, last: str | None, out: Path
+    cfg: DictConfig,
+    tracker,
+    start_path: str,
+    dataset,
+    divergence,
+    guide,
+    rl_dir: Path,
+    last: str | None,
+    out: Path,
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
     from sage.rewards import math_verify_reward
+    from sage.tracking import step_callback
     from sage.trainer import SageGRPOTrainer
 
     trainer = SageGRPOTrainer(
@@ -178,6 +188,7 @@ def rl(
         peft_config=lora_config(cfg),
         divergence=divergence,
         guide=guide,
+        callbacks=[step_callback(tracker)] if tracker is not None else None,
     )
     trainer.train(resume_from_checkpoint=last)
     final = out / "final"
@@ -217,33 +228,43 @@ def train(cfg: DictConfig) -> dict[str, float]:
     base_path = build(cfg.model.source)
     start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
 
-    metrics: dict[str, float] = {}
-    # The base model's cells are shared by every run that starts from it (same settings, same seed).
-    to_evaluate = [("base", start_path, base_results_dir(start_path))]
-    if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
-        final = rl(cfg, start_path, dataset, divergence, guide, rl_dir, last, out)
-        metrics["train/steps"] = float(cfg.trainer.max_steps)
-        to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
+    with start_run(cfg, out, kind="train") as tracker:
+        if tracker is not None:
+            tracker.log_artifact(out / "config.yaml")
+        metrics: dict[str, float] = {}
+        # The base model's cells are shared by every run that starts from it (same settings, same seed).
+        to_evaluate = [("base", start_path, base_results_dir(start_path))]
+        if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
+            final = rl(cfg, tracker, start_path, dataset, divergence, guide, rl_dir, last, out)
+            metrics["train/steps"] = float(cfg.trainer.max_steps)
+            to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
+            if tracker is not None:
+                tracker.set_tag("final_model", str(final))
 
-    if cfg.eval.at_end:
-        max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
-        table = {}
-        for label, path, rdir in to_evaluate:
-            res = evaluate_model(
-                path,
-                eval_rows,
-                cfg.eval,
-                chat=cfg.model.chat,
-                max_new_tokens=max_new,
-                results_dir=rdir,
-                dtype=str(cfg.model.dtype.value),
-            )
-            table[label] = {ds: r["summary"] for ds, r in res.items()}
-            for ds, r in res.items():
-                metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
-        print("\n" + format_table(table, list(cfg.eval.ks)))
-    print(f"\nrun outputs: {out}")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if cfg.eval.at_end:
+            max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
+            table = {}
+            for label, path, rdir in to_evaluate:
+                res = evaluate_model(
+                    path,
+                    eval_rows,
+                    cfg.eval,
+                    chat=cfg.model.chat,
+                    max_new_tokens=max_new,
+                    results_dir=rdir,
+                    dtype=str(cfg.model.dtype.value),
+                )
+                table[label] = {ds: r["summary"] for ds, r in res.items()}
+                for ds, r in res.items():
+                    metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
+                    if tracker is not None:
+                        tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+            print("\n" + format_table(table, list(cfg.eval.ks)))
+        print(f"\nrun outputs: {out}")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if tracker is not None:
+            tracker.log_artifact(out / "metrics.json")
+            print(f"MLflow run: {tracker.run_id}")
     return metrics
 
 

@@ -95,6 +95,39 @@ def test_train_checkpoint_resume(tmp_path):
     assert (out / "rl" / "checkpoint-4").is_dir()
     resumed = weights(out / "final")
     assert any(not torch.equal(resumed[k], final[k]) for k in final)
+    check_mlflow_record(out)
+
+
+def check_mlflow_record(out):
+    """The resumed run continued the SAME MLflow run, with every step once and the eval numbers of
+    metrics.json."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()  # the session's private store (tests/conftest.py)
+    run_id = (out / "mlflow_run_id").read_text()
+    run = client.get_run(run_id)
+    runs = client.search_runs([run.info.experiment_id], filter_string=f"tags.output_dir = '{out}'")
+    assert [r.info.run_id for r in runs] == [run_id]
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags["algorithm"], tags["divergence"], tags["guide"], tags["model"], tags["seed"]) == (
+        "grpo", "reverse_kl", "branch", "tiny", "0"
+    )
+    assert len(tags["git_commit"]) in (40, len("not-a-git-checkout"))
+    assert run.data.params["guide.threshold"] == "0.5" and run.data.params["trainer.max_steps"] == "2"
+    assert tags["resumed.trainer.max_steps"] == "4" and tags["resumed.resume"] == "True"
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert steps == [1, 2, 3, 4]
+    for key in ("train/kl", "train/divergence", "train/guide/active_frac", "train/grad_norm", "train/reward"):
+        assert len(client.get_metric_history(run_id, key)) == 4, key
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert run.data.metrics["eval/trained/arith_heldout/pass_at_1"] == pytest.approx(
+        metrics["trained/arith_heldout/pass@1"]
+    )
+    curve = client.get_metric_history(run_id, "eval/trained/arith_heldout/pass_at_k_curve")
+    assert sorted({m.step for m in curve}) == [1, 2, 3, 4]
+    artifacts = {a.path for a in client.list_artifacts(run_id, "eval/trained")}
+    assert "eval/trained/trained_arith_heldout_correct.npz" in artifacts
 
 
 def test_parameters_change_from_the_base_model(tmp_path):

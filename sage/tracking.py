@@ -1,0 +1,250 @@
+"""MLflow as the single record of runs: params, tags, per-step metrics, evaluation curves, artifacts.
+
+- Store: ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else an embedded SQLite store
+  ``<cwd>/outputs/mlflow.db`` (artifacts beside it in ``outputs/mlartifacts``).
+- A run's MLflow id is kept in ``<output_dir>/mlflow_run_id``: a resumed run (``resume=true``, a requeued
+  SLURM job) continues the SAME MLflow run, and steps it had already logged are not logged twice.
+- Nothing secret is logged: credentials in URIs are redacted and keys that name secrets are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = "mlflow_run_id"
+SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)
+URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# The config groups whose choice is a tag (the filters users group runs by).
+GROUP_TAGS = ("model", "data", "algorithm", "divergence", "guide", "schedule", "rollout", "eval", "trainer")
+
+
+def redact(value: str) -> str:
+    """``postgresql://user:pw@host/db`` -> ``postgresql://***@host/db``."""
+    return URI_CREDENTIALS.sub(r"\g<scheme>***@", value)
+
+
+def default_uri() -> str:
+    root = Path.cwd() / "outputs"
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def resolve_uri(configured: str | None) -> str:
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    """Resolved config -> {dotted.key: str(value)} without secrets; lists stay one value."""
+    out: dict[str, str] = {}
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if SECRET_KEY.search(str(k)):
+                continue
+            out.update(flatten(v, key))
+    else:
+        out[prefix] = redact(str(node))[:6000]  # MLflow's param value limit
+    return out
+
+
+def git_commit() -> str:
+    try:
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unavailable"
+    return r.stdout.strip() if r.returncode == 0 else "not-a-git-checkout"
+
+
+def hydra_context() -> tuple[dict[str, str], dict[str, str]]:
+    """(group choices, sweep tags) of the current Hydra job; empty outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}, {}
+    hc = HydraConfig.get()
+    choices = {
+        k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None
+    }
+    sweep: dict[str, str] = {}
+    if str(hc.mode) == "RunMode.MULTIRUN":
+        sweep = {"grid": str(Path(hc.sweep.dir).resolve()), "job_num": str(hc.job.num)}
+    return choices, sweep
+
+
+class Tracker:
+    """One MLflow run bound to one output folder. Use ``start_run`` (a context manager)."""
+
+    def __init__(self, client, run_id: str, resumed: bool):
+        self.client = client
+        self.run_id = run_id
+        self.resumed = resumed
+        self._last_step = self._last_logged_step() if resumed else -1
+
+    def _last_logged_step(self) -> int:
+        history = self.client.get_metric_history(self.run_id, "train/loss")
+        return max((m.step for m in history), default=-1)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        if step <= self._last_step:  # already recorded before the crash: never duplicate
+            return
+        ts = _now_ms()
+        batch = [Metric(metric_key(k), float(v), ts, step) for k, v in metrics.items() if _is_number(v)]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def log_training_step(self, logs: dict[str, Any], step: int) -> None:
+        self.log_metrics({f"train/{k}": v for k, v in logs.items()}, step)
+
+    def log_eval(self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int) -> None:
+        """pass@k at the reported ks (mean and std over seeds) as metrics; the whole curve k = 1..n as a
+        series with step = k; correctness matrices and a sample of completions as artifacts."""
+        from sage.metrics import pass_at_k_curve
+
+        prefix = f"eval/{label}/{dataset}"
+        self.client.log_batch(
+            self.run_id,
+            metrics=_metrics({f"{prefix}/{k}": v for k, v in result["summary"].items()}, step=0),
+        )
+        curves = [pass_at_k_curve(c) for c in result["correct"]]
+        mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
+        self.client.log_batch(
+            self.run_id, metrics=[_metric(f"{prefix}/pass_at_k_curve", v, k) for k, v in mean_curve.items()]
+        )
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            matrices = Path(tmp) / f"{label}_{dataset}_correct.npz"
+            np.savez_compressed(matrices, *result["correct"])
+            sample = Path(tmp) / f"{label}_{dataset}_completions.json"
+            first_seed = result["completions"][0]  # problems x samples
+            sample.write_text(json.dumps([per_problem[:4] for per_problem in first_seed[:n_problems]]))
+            for f in (matrices, sample):
+                self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, redact(value))
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v)
+
+
+def metric_key(key: str) -> str:
+    """MLflow allows no '@' in names: ``pass@64`` is logged as ``pass_at_64``."""
+    return key.replace("@", "_at_")
+
+
+def _metric(key: str, value: float, step: int):
+    from mlflow.entities import Metric
+
+    return Metric(metric_key(key), float(value), _now_ms(), step)
+
+
+def _metrics(values: dict[str, float], step: int) -> list:
+    return [_metric(k, v, step) for k, v in values.items() if _is_number(v)]
+
+
+@contextmanager
+def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]:
+    """Open (or re-open, for a resumed output folder) the MLflow run of ``out``; ``kind`` is train or eval.
+    Yields None when ``tracking.enabled=false``. The run ends FINISHED, or FAILED on an exception."""
+    if not cfg.tracking.enabled:
+        yield None
+        return
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_uri(cfg.tracking.uri)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        artifacts = None
+        if uri.startswith("sqlite:///"):
+            artifacts = Path(uri.removeprefix("sqlite:///")).parent.joinpath("mlartifacts").as_uri()
+        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    else:
+        exp_id = exp.experiment_id
+
+    id_file = out / RUN_ID_FILE
+    resumed = id_file.exists()
+    params = flatten(OmegaConf.to_container(cfg, resolve=True))
+    if resumed:
+        run_id = id_file.read_text().strip()
+        client.update_run(run_id, status="RUNNING")
+        # MLflow params are write-once: what a resume changed (e.g. a longer max_steps) becomes a tag.
+        before = client.get_run(run_id).data.params
+        for k, v in params.items():
+            if before.get(k) != v:
+                client.set_tag(run_id, f"resumed.{k}", v)
+    else:
+        choices, sweep = hydra_context()
+        tags = {
+            "sage.kind": kind,
+            "seed": str(cfg.seed),
+            "git_commit": git_commit(),
+            "output_dir": str(out),
+            **{g: choices[g] for g in GROUP_TAGS if g in choices},
+            **sweep,
+            **{k: str(v) for k, v in cfg.tracking.tags.items()},
+        }
+        if cfg.get("method"):
+            tags["method"] = str(cfg.method)
+        tags = {k: redact(v) for k, v in tags.items()}
+        run = client.create_run(exp_id, run_name=cfg.tracking.run_name, tags=tags)
+        run_id = run.info.run_id
+        id_file.write_text(run_id)
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            client.log_batch(run_id, params=items[i : i + 100])
+    log.info("MLflow run %s (%s) in %s", run_id, "resumed" if resumed else "new", redact(uri))
+    tracker = Tracker(client, run_id, resumed)
+    try:
+        yield tracker
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id, status="FINISHED")
+
+
+def step_callback(tracker: Tracker):
+    """A transformers TrainerCallback that sends every log (TRL's and SageGRPOTrainer's metrics, grad norm,
+    learning rate) to the run at the optimiser step it belongs to."""
+    from transformers import TrainerCallback
+
+    class _MlflowSteps(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs:
+                tracker.log_training_step(logs, state.global_step)
+
+    return _MlflowSteps()
