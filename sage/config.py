@@ -245,6 +245,10 @@ class EvalConfig:
     max_new_tokens: int | None = field(default=None, metadata={"help": "None: model.max_completion_length"})
     batch_size: int = field(default=512, metadata={"help": "sequences per generate call (CPU backend)"})
     at_end: bool = field(default=True, metadata={"help": "evaluate base and trained model after training"})
+    every_steps: int | None = field(
+        default=None, metadata={"help": "also evaluate every N optimiser steps during training (None: off)"}
+    )
+    every_n_samples: int = field(default=8, metadata={"help": "samples per problem, periodic evaluation"})
 
 
 # ---------------------------------------------------------------- trainer
@@ -279,8 +283,8 @@ class TrackingConfig:
     experiment: str = "sage"
     run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict, metadata={"help": "extra tags, e.g. study, trial"})
-    completions_sample: int = field(
-        default=64, metadata={"help": "problems per dataset whose first 4 completions are saved as artifact"}
+    completions_sample: int | None = field(
+        default=None, metadata={"help": "problems per dataset whose completions are saved (None: all)"}
     )
 
 

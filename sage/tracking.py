@@ -116,9 +116,11 @@ class Tracker:
     def log_training_step(self, logs: dict[str, Any], step: int) -> None:
         self.log_metrics({f"train/{k}": v for k, v in logs.items()}, step)
 
-    def log_eval(self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int) -> None:
+    def log_eval(self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int | None) -> None:
         """pass@k at the reported ks (mean and std over seeds) as metrics; the whole curve k = 1..n as a
-        series with step = k; correctness matrices and a sample of completions as artifacts."""
+        series with step = k; as artifacts the correctness matrices of every seed (npz: arr_0, arr_1, ...
+        problems x samples) and the completions of the first seed (JSON, problems x samples, row-aligned
+        with arr_0), for the first ``n_problems`` problems (None: all)."""
         from sage.metrics import pass_at_k_curve
 
         prefix = f"eval/{label}/{dataset}"
@@ -138,7 +140,7 @@ class Tracker:
             np.savez_compressed(matrices, *result["correct"])
             sample = Path(tmp) / f"{label}_{dataset}_completions.json"
             first_seed = result["completions"][0]  # problems x samples
-            sample.write_text(json.dumps([per_problem[:4] for per_problem in first_seed[:n_problems]]))
+            sample.write_text(json.dumps(first_seed[:n_problems]))
             for f in (matrices, sample):
                 self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
 

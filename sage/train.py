@@ -166,7 +166,7 @@ def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) ->
 
 def rl(
     cfg: DictConfig,
-    tracker,
+    callbacks: list,
     start_path: str,
     dataset,
     divergence,
@@ -177,7 +177,6 @@ def rl(
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
     from sage.rewards import math_verify_reward
-    from sage.tracking import step_callback
     from sage.trainer import SageGRPOTrainer
 
     trainer = SageGRPOTrainer(
@@ -188,7 +187,7 @@ def rl(
         peft_config=lora_config(cfg),
         divergence=divergence,
         guide=guide,
-        callbacks=[step_callback(tracker)] if tracker is not None else None,
+        callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=last)
     final = out / "final"
@@ -196,6 +195,26 @@ def rl(
     trainer.processing_class.save_pretrained(str(final))
     (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
     return final
+
+
+def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
+    """MLflow logging of every step, and the periodic held-out evaluation if asked for."""
+    from sage.callbacks import PeriodicEval
+    from sage.evaluate import SamplingSettings
+    from sage.tracking import step_callback
+
+    cbs = [step_callback(tracker)] if tracker is not None else []
+    if cfg.eval.every_steps:
+        settings = SamplingSettings(
+            n_samples=cfg.eval.every_n_samples,
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
+            chat=cfg.model.chat,
+            seed=cfg.seed,
+        )
+        cbs.append(PeriodicEval(eval_rows, settings, cfg.eval.every_steps, cfg.eval.batch_size, tracker, out))
+    return cbs
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -219,7 +238,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     dataset = build(cfg.data, chat=cfg.model.chat)
     from sage.evaluate import evaluate_model, load_eval_rows
 
-    eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if cfg.eval.at_end else {}
+    needs_rows = cfg.eval.at_end or cfg.eval.every_steps
+    eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if needs_rows else {}
     OmegaConf.save(cfg, out / "config.yaml", resolve=True)
 
     from transformers import set_seed
@@ -231,11 +251,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     with start_run(cfg, out, kind="train") as tracker:
         if tracker is not None:
             tracker.log_artifact(out / "config.yaml")
+            tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
         metrics: dict[str, float] = {}
         # The base model's cells are shared by every run that starts from it (same settings, same seed).
         to_evaluate = [("base", start_path, base_results_dir(start_path))]
         if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
-            final = rl(cfg, tracker, start_path, dataset, divergence, guide, rl_dir, last, out)
+            final = rl(
+                cfg,
+                training_callbacks(cfg, tracker, eval_rows, out),
+                start_path,
+                dataset,
+                divergence,
+                guide,
+                rl_dir,
+                last,
+                out,
+            )
             metrics["train/steps"] = float(cfg.trainer.max_steps)
             to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
             if tracker is not None:
