@@ -133,6 +133,9 @@ class AlgorithmConfig:
     epsilon_high: float | None = field(default=None, metadata={"help": "None: = epsilon; DAPO 0.28"})
     importance_sampling_level: ISLevel = field(default=ISLevel.token, metadata={"help": "GSPO: sequence"})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "DAPO's overlong masking"})
+    filter_zero_variance_groups: bool = field(
+        default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal from the loss"}
+    )
     num_iterations: int = 1
     steps_per_generation: int | None = None
 

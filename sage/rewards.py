@@ -219,6 +219,8 @@ class GradingPool:
     amortise IPC. A call over its deadline scores 0 inside the worker; a worker that does not answer within
     `timeout_s + 1 s` (stuck in C, or dead) is killed and replaced, its current item scores 0 and the rest
     of its chunk is re-queued. Workers use the 'spawn' context, safe in a process that has loaded torch.
+    The constructor returns once every worker is warm; a replacement receives work only after it reports
+    ready, so a worker's start-up (seconds of imports under load) never counts against a call's limit.
     """
 
     def __init__(self, workers: int = 2, timeout_s: float = GRADE_TIMEOUT_S, *, chunk_size: int = 16) -> None:
@@ -230,6 +232,7 @@ class GradingPool:
         self.chunk_size = chunk_size
         self._context = multiprocessing.get_context("spawn")
         self._workers = [self._start_worker() for _ in range(workers)]
+        self._await_ready()
 
     def __enter__(self) -> GradingPool:
         return self
@@ -247,6 +250,23 @@ class GradingPool:
         process.start()
         child_conn.close()
         return _Worker(process, parent_conn)
+
+    def _await_ready(self) -> None:
+        """Block until every worker has imported sympy/Math-Verify and said so. Without this, a worker still
+        starting under CPU load is silently skipped (work goes to the others), so whether a later hang or
+        crash hits a warm worker or one that never became ready, and how it is handled, depended on timing."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(w.ready for w in self._workers):
+            waiting = [w for w in self._workers if not w.ready]
+            ready = wait([w.conn for w in waiting], timeout=max(0.0, deadline - time.monotonic()))
+            for worker in waiting:
+                if worker.conn in ready:
+                    self._receive(worker, [])
+                if not worker.ready and (not worker.process.is_alive() or time.monotonic() > deadline):
+                    self.close()
+                    raise RuntimeError(
+                        f"grading worker exited or did not start within {_START_TIMEOUT_S:.0f} s"
+                    )
 
     def close(self) -> None:
         """Stop the workers; one that does not exit promptly is killed."""

@@ -187,6 +187,7 @@ def rl(
         peft_config=lora_config(cfg),
         divergence=divergence,
         guide=guide,
+        filter_zero_variance_groups=cfg.algorithm.filter_zero_variance_groups,
         callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=last)

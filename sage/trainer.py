@@ -8,6 +8,9 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   loss (tested to 1e-6 against TRL itself).
 - ``_get_per_token_logps_and_entropies``: keeps the log-probs and entropies of the loss pass, so guides
   and divergences reuse them: no extra forward pass.
+- ``_generate_and_score_completions`` (only with ``filter_zero_variance_groups``, DAPO): groups whose
+  rewards are all equal carry no policy gradient; their completions are masked out of the loss and of the
+  token count, as DAPO's dynamic-sampling filter drops them (without resampling replacements).
 Generation, rewards, advantages, the reference model and checkpointing are TRL's.
 
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
@@ -53,6 +56,15 @@ def aggregate(
     raise ValueError(f"algorithm.loss_type must be grpo, bnpo, dr_grpo or dapo (got {loss_type!r})")
 
 
+def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: False for every completion of a group whose advantages are all 0, which happens exactly
+    when all its rewards are equal (zero variance), whatever the reward scaling."""
+    if advantages.numel() % group_size:
+        raise ValueError(f"{advantages.numel()} completions do not form whole groups of {group_size}")
+    groups = advantages.view(-1, group_size)  # (B / G, G)
+    return (groups != 0).any(dim=1).repeat_interleave(group_size)
+
+
 class SageGRPOTrainer(GRPOTrainer):
     """GRPO-family trainer whose anchor is q * pi_ref; see the module docstring for what it overrides.
 
@@ -61,9 +73,10 @@ class SageGRPOTrainer(GRPOTrainer):
     TRL uses it to decide whether to load the reference model.
     """
 
-    def __init__(self, *args, divergence, guide, **kwargs):
+    def __init__(self, *args, divergence, guide, filter_zero_variance_groups: bool = False, **kwargs):
         self.divergence = divergence
         self.guide = guide
+        self.filter_zero_variance_groups = filter_zero_variance_groups
         self._loss_pass: tuple[torch.Tensor, torch.Tensor] | None = None
         super().__init__(*args, **kwargs)
         if self.beta != divergence.beta:
@@ -75,6 +88,17 @@ class SageGRPOTrainer(GRPOTrainer):
                 f"GRPOConfig.use_bias_correction_kl={self.args.use_bias_correction_kl} differs from "
                 f"divergence.importance_weighted={divergence.importance_weighted}"
             )
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if not self.filter_zero_variance_groups:
+            return out
+        keep = informative_groups(out["advantages"], self.num_generations)  # (B,)
+        out["completion_mask"] = out["completion_mask"] * keep.unsqueeze(1).to(out["completion_mask"].dtype)
+        out["num_items_in_batch"] = self.accelerator.gather(out["completion_mask"].sum()).sum()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["frac_groups_filtered"].append(1.0 - keep.float().mean().item())
+        return out
 
     def _get_per_token_logps_and_entropies(self, *args, compute_entropy: bool = False, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)

@@ -165,3 +165,41 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
     assert shaped._metrics["train"]["divergence"][-1] != pytest.approx(
         plain._metrics["train"]["divergence"][-1], abs=1e-6
     )
+
+
+def test_informative_groups():
+    from sage.trainer import informative_groups
+
+    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7, -0.7, 0.0, 0.0])  # group 1: zero variance; group 2: mixed
+    assert informative_groups(adv, 4).tolist() == [False] * 4 + [True] * 4
+    with pytest.raises(ValueError, match="whole groups"):
+        informative_groups(adv[:6], 4)
+
+
+def test_zero_variance_groups_are_masked_out_of_the_loss(model_path, tmp_path, monkeypatch):
+    """With the filter, a batch whose first group has zero variance gives exactly the loss of the other
+    group alone (DAPO token-level aggregation: the filtered tokens leave the normaliser too)."""
+    t = make(
+        SageGRPOTrainer,
+        model_path,
+        tmp_path / "f",
+        0.0,
+        "dapo",
+        divergence=NoDivergence(),
+        guide=NoGuide(),
+        filter_zero_variance_groups=True,
+    )
+    t.num_generations = 4
+    inputs = fake_inputs(t, seed=3)
+    inputs["advantages"][:4] = 0.0
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", lambda self, _: dict(inputs))
+    filtered = t._generate_and_score_completions(None)
+    assert filtered["completion_mask"][:4].sum() == 0
+    assert torch.equal(filtered["completion_mask"][4:], inputs["completion_mask"][4:])
+    assert filtered["num_items_in_batch"] == inputs["completion_mask"][4:].sum()
+    assert t._metrics["train"]["frac_groups_filtered"][-1] == 0.5
+    half = {k: (v[4:] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in inputs.items()}
+    half["num_items_in_batch"] = half["completion_mask"].sum()
+    l_filtered, _ = loss_and_grad(t, filtered)
+    l_half, _ = loss_and_grad(t, half)
+    assert l_filtered.item() == pytest.approx(l_half.item(), rel=1e-6)
