@@ -103,6 +103,10 @@ class ModelConfig:
     dtype: DType = DType.bfloat16
     lora: LoraConfig | None = field(default=None, metadata={"help": "None: full fine-tuning"})
     max_completion_length: int = 2048
+    branch_threshold: float = field(
+        default=1.2,
+        metadata={"help": "default entropy threshold of guide=branch for this model (paper: 1.2 nats)"},
+    )
     sft: SFTStageConfig | None = field(default=None, metadata={"help": "None: no SFT stage"})
 
 

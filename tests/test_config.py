@@ -141,3 +141,9 @@ def test_data_file_with_missing_field_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     line = last_line(r.stderr)
     assert str(bad) in line and "row 1" in line and "'solution'" in line
+
+
+def test_branch_threshold_default_follows_the_model():
+    assert cfg_for("guide=branch").guide.threshold == 0.3  # the testbed's measured q90 entropy
+    assert cfg_for("guide=branch", "model=qwen2.5-math-7b").guide.threshold == 1.2  # the paper's
+    assert cfg_for("guide=branch", "guide.threshold=2.0").guide.threshold == 2.0

@@ -21,6 +21,8 @@ from sage.testbed.task import STRATEGIES, classify_strategy, is_correct, make_pr
 
 BRANCH_ENTROPY_NATS = 1.2
 """Token entropy above which the paper treats a position as a branching point."""
+ENTROPY_QUANTILES = (50, 75, 90, 95, 99)
+"""Quantiles of the per-token entropy reported, to place a branch threshold in this model's distribution."""
 
 
 def sample(
@@ -92,6 +94,7 @@ def measure(
         f"pass@{k}": sum(map(any, correct)) / n_problems,
         "mean_token_entropy_nats": tokens.mean().item(),
         f"frac_tokens_entropy_gt_{BRANCH_ENTROPY_NATS}": (tokens > BRANCH_ENTROPY_NATS).float().mean().item(),
+        **{f"token_entropy_q{q}": torch.quantile(tokens, q / 100).item() for q in ENTROPY_QUANTILES},
         "mean_completion_tokens": tokens.numel() / n_samples,
         "sampling_seconds": seconds,
     }
