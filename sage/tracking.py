@@ -176,6 +176,25 @@ def _metrics(values: dict[str, float], step: int) -> list:
     return [_metric(k, v, step) for k, v in values.items() if _is_number(v)]
 
 
+def experiment_id(client, name: str, uri: str) -> str:
+    """Get or create the experiment; parallel jobs of a sweep may race to create it, and the loser reads
+    the winner's."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = None
+    if uri.startswith("sqlite:///"):
+        artifacts = Path(uri.removeprefix("sqlite:///")).parent.joinpath("mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifacts)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
 @contextmanager
 def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]:
     """Open (or re-open, for a resumed output folder) the MLflow run of ``out``; ``kind`` is train or eval.
@@ -187,15 +206,7 @@ def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]
 
     uri = resolve_uri(cfg.tracking.uri)
     client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is None:
-        artifacts = None
-        if uri.startswith("sqlite:///"):
-            artifacts = Path(uri.removeprefix("sqlite:///")).parent.joinpath("mlartifacts").as_uri()
-        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
-    else:
-        exp_id = exp.experiment_id
-
+    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
     id_file = out / RUN_ID_FILE
     resumed = id_file.exists()
     params = flatten(OmegaConf.to_container(cfg, resolve=True))

@@ -285,6 +285,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     max_new_tokens=max_new,
                     results_dir=rdir,
                     dtype=str(cfg.model.dtype.value),
+                    rollout=cfg.rollout,
                 )
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
@@ -300,7 +301,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+# An absolute path: relative config paths resolve differently under a console script and `python -m`.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
     """Returns every metric of the run; a sweeper picks its objectives from them by name."""
     try:

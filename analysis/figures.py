@@ -1,0 +1,118 @@
+"""Figures as PNGs from tidy frames (matplotlib's Agg backend: no display needed).
+
+Lines are means over training seeds; bands span mean ± std over seeds (no band with one seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
+
+from analysis.tables import row_key  # noqa: E402
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_")
+
+
+def _mean_band(frame: pd.DataFrame, x: str) -> pd.DataFrame:
+    """Per x: mean and std (ddof=1, NaN with one seed) of value over seeds."""
+    g = frame.groupby(x)["value"]
+    return pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=1), "n": g.count()}).reset_index()
+
+
+def _line(ax, frame: pd.DataFrame, x: str, label: str, dashed: bool = False) -> None:
+    s = _mean_band(frame, x).sort_values(x)
+    (line,) = ax.plot(s[x], s["mean"], "--" if dashed else "-", marker=".", label=label)
+    band = s["std"].notna()
+    if band.any():
+        ax.fill_between(
+            s.loc[band, x],
+            (s["mean"] - s["std"])[band],
+            (s["mean"] + s["std"])[band],
+            color=line.get_color(),
+            alpha=0.2,
+            linewidth=0,
+        )
+
+
+def passk_curves(curves: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """Figure 3: pass@k against k (log scale) per dataset, one line per row. ``curves``: row, seed,
+    dataset, k, value."""
+    paths = []
+    for ds, sub in curves.groupby("dataset"):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for row in sorted(sub["row"].unique(), key=row_key):
+            _line(ax, sub[sub["row"] == row], "k", row)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, ... not 2^0
+        ax.set(xlabel="k (samples)", ylabel="pass@k", title=f"pass@k on {ds}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / f"passk_{_slug(str(ds))}.png"))
+    return paths
+
+
+def reward_vs_accuracy(
+    reward: pd.DataFrame, periodic: pd.DataFrame, kl_free: Collection[str], out_dir: Path
+) -> Path:
+    """Figure 2: training reward (left) and held-out pass@1 during training (one panel per dataset) over
+    optimiser steps; rows without a KL anchor are dashed. ``reward``: row, seed, step, value;
+    ``periodic``: row, seed, dataset, step, value (may be empty: the panel then says why)."""
+    datasets = sorted(periodic["dataset"].unique()) if len(periodic) else [None]
+    fig, axes = plt.subplots(1, 1 + len(datasets), figsize=(5 * (1 + len(datasets)), 4), squeeze=False)
+    rows = sorted(reward["row"].unique(), key=row_key)
+    for row in rows:
+        _line(axes[0, 0], reward[reward["row"] == row], "step", row, dashed=row in kl_free)
+    axes[0, 0].set(xlabel="optimiser step", ylabel="mean reward", title="training reward")
+    for ax, ds in zip(axes[0, 1:], datasets, strict=True):
+        if ds is None:
+            ax.text(
+                0.5,
+                0.5,
+                "no eval/periodic metrics logged\n(train with eval.every_steps=N)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+            ax.set(title="held-out pass@1", xticks=[], yticks=[])
+            continue
+        sub = periodic[periodic["dataset"] == ds]
+        for row in rows:
+            if (sub["row"] == row).any():
+                _line(ax, sub[sub["row"] == row], "step", row, dashed=row in kl_free)
+        ax.set(xlabel="optimiser step", ylabel="pass@1", title=f"held-out pass@1 ({ds})")
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0, 0].legend(fontsize=8)
+    return _save(fig, out_dir / "reward_vs_heldout.png")
+
+
+def perplexity_distributions(ppl: pd.DataFrame, out_dir: Path) -> Path:
+    """Figure 7: distribution of each row's sample perplexities under the base model (log scale), pooled
+    over seeds. ``ppl``: row, seed, ppl."""
+    rows = sorted(ppl["row"].unique(), key=row_key)
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows)), 4))
+    data = [ppl.loc[ppl["row"] == r, "ppl"].dropna().to_numpy() for r in rows]
+    ax.boxplot(data, whis=(5, 95))  # whiskers at the 5th/95th percentiles: the tails are the point
+    ax.set_yscale("log")
+    ax.set_xticks(range(1, len(rows) + 1), rows, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="perplexity under the base model", title="sample perplexity under the base model")
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, out_dir / "perplexity_under_base.png")
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

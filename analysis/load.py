@@ -1,0 +1,258 @@
+"""MLflow -> tidy pandas frames. The only module of ``analysis/`` that talks to MLflow.
+
+Why frames: every table and figure is a function of these frames, so the tests can check values on
+hand-made frames and against what MLflow recorded, without a second path to the numbers.
+
+Which runs make one table row: runs with the same method label (tag ``method``, or derived from the
+``algorithm``/``divergence``/``guide`` tags) AND the same resolved config apart from the seed. Runs of one
+method whose configs differ (e.g. a threshold x ratio grid of GRPO + Branch in the same experiment) become
+separate rows named by the params that differ, never one row averaged over different settings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sage.tracking import redact, resolve_uri
+
+
+class ReportError(Exception):
+    """A one-line reason why (part of) the report cannot be built."""
+
+
+# Display names of the conf/method/ presets, in the order of the paper's tables (Tables 1, 3).
+METHOD_NAMES = {
+    "base": "base",
+    "grpo": "GRPO",
+    "grpo_nokl": "GRPO w/o KL",
+    "grpo_fkl": "GRPO + forward KL",
+    "grpo_random": "GRPO + Random",
+    "grpo_token": "GRPO + Token",
+    "grpo_branch": "GRPO + Branch",
+    "bnpo": "BNPO w/o KL",
+    "bnpo_branch": "BNPO + Branch",
+    "dapo": "DAPO w/o KL",
+    "dapo_branch": "DAPO + Branch",
+}
+ROW_ORDER = tuple(METHOD_NAMES.values())
+ALGORITHM_NAMES = {"dr_grpo": "Dr.GRPO"}  # the others are their option name in capitals
+DIVERGENCE_SUFFIX = {"reverse_kl": "", "none": " w/o KL", "forward_kl": " + forward KL"}
+# Params that differ between seeds of one experiment by design; any other difference splits a row.
+SEED_PARAMS = ("seed", "output_dir", "resume", "method")
+SEED_PARAM_PREFIXES = ("tracking.",)
+
+EVAL_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_(?P<k>\d+)(?P<std>_std)?$")
+CURVE_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_k_curve$")
+PERIODIC_KEY = re.compile(r"^eval/periodic/(?P<dataset>.+)/pass_at_1$")
+
+
+def open_store(uri: str | None):
+    """MlflowClient on ``uri`` (else $MLFLOW_TRACKING_URI, else the embedded store sage-train writes to).
+    A SQLite store that does not exist is an error: MLflow would silently create an empty one."""
+    from mlflow.tracking import MlflowClient
+
+    resolved = resolve_uri(uri)
+    if resolved.startswith("sqlite:///") and not Path(resolved.removeprefix("sqlite:///")).exists():
+        raise ReportError(
+            f"no MLflow store at {redact(resolved)}: pass --tracking-uri or set MLFLOW_TRACKING_URI"
+        )
+    return MlflowClient(tracking_uri=resolved), resolved
+
+
+def fetch_runs(client, experiment: str, run_ids: Sequence[str] = (), filter_string: str = "") -> list:
+    """The runs of ``experiment`` (optionally narrowed by an MLflow filter string), or exactly ``run_ids``."""
+    if run_ids:
+        return [client.get_run(r) for r in run_ids]
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        listed = ", ".join(names) or "none"
+        raise ReportError(f"no experiment {experiment!r} in this store (experiments there: {listed})")
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp.experiment_id], filter_string, max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def method_label(tags: dict[str, str], params: dict[str, str], run_id: str) -> str:
+    """The row name of a run: its ``method`` preset's display name, else one derived from its group tags
+    (grpo + reverse_kl + none -> GRPO, + none -> GRPO w/o KL, + branch -> GRPO + Branch)."""
+    if "method" in tags:
+        return METHOD_NAMES.get(tags["method"], tags["method"])
+    if params.get("trainer.max_steps") == "0":
+        return "base"
+    missing = [g for g in ("algorithm", "divergence", "guide") if g not in tags]
+    if missing:
+        raise ReportError(f"run {run_id} has no 'method' tag and no {'/'.join(missing)} tag to name it by")
+    algorithm = ALGORITHM_NAMES.get(tags["algorithm"], tags["algorithm"].upper())
+    divergence = DIVERGENCE_SUFFIX.get(tags["divergence"], f" + {tags['divergence']}")
+    guide = "" if tags["guide"] == "none" else f" + {tags['guide'].capitalize()}"
+    return algorithm + divergence + guide
+
+
+def runs_frame(runs: Sequence) -> pd.DataFrame:
+    """One line per run: ids, status, kind, seed, method label, base model, commit, tags and params."""
+    rows = []
+    for r in runs:
+        tags, params = dict(r.data.tags), dict(r.data.params)
+        if "seed" not in tags:
+            raise ReportError(f"run {r.info.run_id} has no 'seed' tag: was it logged by sage-train?")
+        rows.append(
+            {
+                "run_id": r.info.run_id,
+                "status": r.info.status,
+                "kind": tags.get("sage.kind", ""),
+                "seed": int(tags["seed"]),
+                "method": method_label(tags, params, r.info.run_id),
+                "base_model": tags.get("base_model"),
+                "git_commit": tags.get("git_commit", "unknown"),
+                "divergence": tags.get("divergence"),
+                "guide": tags.get("guide"),
+                "start_time": r.info.start_time,
+                "tags": tags,
+                "params": params,
+                "metrics": dict(r.data.metrics),
+            }
+        )
+    columns = [
+        "run_id",
+        "status",
+        "kind",
+        "seed",
+        "method",
+        "base_model",
+        "git_commit",
+        "divergence",
+        "guide",
+        "start_time",
+        "tags",
+        "params",
+        "metrics",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def varying_params(params: Sequence[dict[str, str]], ignore: Sequence[str] = ()) -> list[str]:
+    """Params whose value differs between the given runs, other than those that differ by design. Only
+    keys every run has count: a config field added by a later commit does not split runs into rows."""
+    keys = sorted(set(params[0]).intersection(*params[1:])) if params else []
+    return [
+        k
+        for k in keys
+        if k not in SEED_PARAMS
+        and k not in ignore
+        and not k.startswith(SEED_PARAM_PREFIXES)
+        and len({p.get(k) for p in params}) > 1
+    ]
+
+
+def assign_rows(frame: pd.DataFrame, ignore: Sequence[str] = ()) -> pd.Series:
+    """Row name of every run: its method label, plus ``[key=value, ...]`` for the params in which runs of
+    the same method differ (see the module docstring)."""
+    out = pd.Series(index=frame.index, dtype=object)
+    for label, group in frame.groupby("method", sort=False):
+        keys = varying_params(list(group["params"]), ignore)
+        for i, p in group["params"].items():
+            out[i] = label if not keys else f"{label} [{', '.join(f'{k}={p.get(k)}' for k in keys)}]"
+    return out
+
+
+def one_run_per_seed(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The latest run of each (row, seed); repeated runs are named in the notes, not averaged in (they would
+    weigh that seed twice)."""
+    ordered = frame.sort_values("start_time", ascending=False)
+    kept = ordered.drop_duplicates(["row", "seed"])
+    notes = [
+        f"{row} seed {seed}: {len(g)} runs, only the latest ({g.iloc[0]['run_id']}) is used"
+        for (row, seed), g in ordered.groupby(["row", "seed"], sort=False)
+        if len(g) > 1
+    ]
+    return kept.sort_index(), notes
+
+
+def eval_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """Logged pass@k points: run_id, label (base|trained), dataset, k, value, std (over eval seeds)."""
+    points: dict[tuple, dict] = {}
+    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+        for key, value in metrics.items():
+            m = EVAL_KEY.match(key)
+            if m:
+                cell = points.setdefault((run_id, m["label"], m["dataset"], int(m["k"])), {})
+                cell["std" if m["std"] else "value"] = value
+    rows = [
+        {"run_id": r, "label": lab, "dataset": ds, "k": k, "value": v.get("value"), "std": v.get("std")}
+        for (r, lab, ds, k), v in points.items()
+    ]
+    return pd.DataFrame(rows, columns=["run_id", "label", "dataset", "k", "value", "std"])
+
+
+def history_frame(client, run_ids: Sequence[str], key: str) -> pd.DataFrame:
+    """Every logged value of one metric: run_id, step, value (sorted by step)."""
+    rows = [
+        {"run_id": r, "step": m.step, "value": m.value}
+        for r in run_ids
+        for m in client.get_metric_history(r, key)
+    ]
+    frame = pd.DataFrame(rows, columns=["run_id", "step", "value"])
+    return frame.sort_values(["run_id", "step"], kind="stable")
+
+
+def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
+    """The logged pass@k curves (step = k): run_id, label, dataset, k, value."""
+    parts = []
+    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+        for key in metrics:
+            m = CURVE_KEY.match(key)
+            if m:
+                h = history_frame(client, [run_id], key).rename(columns={"step": "k"})
+                parts.append(h.assign(label=m["label"], dataset=m["dataset"]))
+    columns = ["run_id", "label", "dataset", "k", "value"]
+    return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)
+
+
+def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
+    """Held-out pass@1 during training (``eval/periodic/<dataset>/pass_at_1``): run_id, dataset, step,
+    value."""
+    parts = []
+    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+        for key in metrics:
+            m = PERIODIC_KEY.match(key)
+            if m:
+                parts.append(history_frame(client, [run_id], key).assign(dataset=m["dataset"]))
+    columns = ["run_id", "dataset", "step", "value"]
+    return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)
+
+
+def eval_artifacts(
+    client, run_id: str, label: str, dataset: str, dst: Path
+) -> tuple[list[np.ndarray], list[list[str]]] | None:
+    """(correctness matrix per eval seed, completions of the first seed) of one run, or None when the run
+    did not log them. The completions may cover only the first problems (tracking.completions_sample)."""
+    folder = f"eval/{label}"
+    names = {a.path for a in client.list_artifacts(run_id, folder)}
+    npz, js = f"{folder}/{label}_{dataset}_correct.npz", f"{folder}/{label}_{dataset}_completions.json"
+    if npz not in names or js not in names:
+        return None
+    local = Path(client.download_artifacts(run_id, folder, str(dst / run_id)))
+    with np.load(local / Path(npz).name) as z:
+        matrices = [z[f"arr_{i}"] for i in range(len(z.files))]
+    completions = json.loads((local / Path(js).name).read_text())
+    return matrices, completions
+
+
+def run_config(client, run_id: str, dst: Path):
+    """The run's resolved config (its ``config.yaml`` artifact) as a DictConfig."""
+    from omegaconf import OmegaConf
+
+    if "config.yaml" not in {a.path for a in client.list_artifacts(run_id)}:
+        raise ReportError(f"run {run_id} has no config.yaml artifact")
+    return OmegaConf.load(client.download_artifacts(run_id, "config.yaml", str(dst / run_id)))

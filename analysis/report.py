@@ -1,0 +1,465 @@
+"""sage-report: the paper's tables and figures from the MLflow record, as ONE Markdown file.
+
+    sage-report --experiment sage --out docs/results/testbed.md --figures-dir docs/results/figures
+    sage-report --run-ids ID1,ID2 --seeds 1,2,3 --k 64 --out report.md
+    sage-report --experiment sage --filter "tags.grid = '/path/of/the/sweep'" --out report.md
+
+Writes the report, every table also as ``<tables-dir>/<name>.{md,tex,csv}``, and the figures as PNGs.
+Only finished ``sage-train`` runs count; a row is one method at one config (see ``analysis.load``), its
+cells mean ± std over the training seeds asked (``--seeds``, default: every seed present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import figures, load, patterns, tables
+from analysis.load import ReportError
+from analysis.tables import SEED_FRAME, Table
+from sage.tracking import redact
+
+SOURCES = ["row", "seed", "run_id", "label"]
+
+
+@dataclass
+class Selection:
+    """The runs a report is about, each with its row name, plus what was left out and why."""
+
+    runs: pd.DataFrame
+    seeds: list[int]
+    notes: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+def select(
+    client, experiment: str, run_ids: Sequence[str], filter_string: str, seeds: Sequence[int] | None
+) -> Selection:
+    where = f"runs {', '.join(run_ids)}" if run_ids else f"experiment {experiment!r}"
+    frame = load.runs_frame(load.fetch_runs(client, experiment, run_ids, filter_string))
+    if frame.empty:
+        raise ReportError(f"{where} has no runs" + (f" matching {filter_string!r}" if filter_string else ""))
+    keep = (frame["kind"] == "train") & (frame["status"] == "FINISHED")
+    notes = [
+        f"left out run {r} ({m}, seed {s}): {'status ' + st if st != 'FINISHED' else 'kind ' + repr(k)}"
+        for r, m, s, st, k in frame.loc[~keep, ["run_id", "method", "seed", "status", "kind"]].itertuples(
+            index=False
+        )
+    ]
+    runs = frame[keep].copy()
+    if runs.empty:
+        raise ReportError(
+            f"{where} has no finished sage-train runs ({len(frame)} runs left out: not FINISHED or not train)"
+        )
+    runs["row"] = load.assign_rows(runs)
+    runs, dup_notes = load.one_run_per_seed(runs)
+    asked = sorted(seeds) if seeds else sorted(int(s) for s in runs["seed"].unique())
+    return Selection(runs.reset_index(drop=True), asked, notes + dup_notes, int((~keep).sum()))
+
+
+def sources(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Which (run, eval label) gives each row's numbers for each seed: trained runs their ``trained``
+    evaluation; the base row the ``base`` evaluation of method=base runs if any, else of the trained runs
+    (one per seed; they share the start model: the ``base_model`` tag must agree, else one base row per
+    start model)."""
+    notes = []
+    is_base = runs["method"] == "base"
+    trained = runs[~is_base].assign(label="trained")[SOURCES]
+    if is_base.any():
+        base = runs[is_base].assign(label="base")[SOURCES]
+    else:
+        models = runs["base_model"].dropna().unique()
+        if len(models) == 0:
+            return trained, ["no base row: the runs have no base_model tag and there is no method=base run"]
+        if len(models) > 1:
+            notes.append(f"the runs start from {len(models)} different base models: one base row per model")
+        rows = runs.dropna(subset=["base_model"]).sort_values("start_time", ascending=False)
+        rows = rows.drop_duplicates(["base_model", "seed"])
+        name = rows["base_model"].map(lambda m: "base" if len(models) == 1 else f"base [{m}]")
+        base = rows.assign(row=name, label="base")[SOURCES]
+        notes.append(
+            "base row: the eval/base/* metrics of the trained runs (no method=base run), one run per seed; "
+            "they evaluate the same start model with the same eval seeds, so they should agree exactly"
+        )
+    return pd.concat([base, trained], ignore_index=True), notes
+
+
+def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
+    """Base numbers taken from several trained runs must be identical (same model, same eval seeds)."""
+    base_runs = src.loc[src["label"] == "base", "run_id"]
+    sub = meas[meas["run_id"].isin(base_runs) & meas["row"].str.startswith("base")]
+    spread = sub.groupby(["row", "dataset", "k"])["value"].agg(lambda v: v.max() - v.min())
+    return [
+        f"{row}: eval/base/{ds}/pass_at_{k} differs between runs by {d:.3g} (different eval settings?)"
+        for (row, ds, k), d in spread.items()
+        if d > 1e-12
+    ]
+
+
+def measurements(src: pd.DataFrame, evals: pd.DataFrame) -> pd.DataFrame:
+    """(row, seed, run_id, label, dataset, k, value): every logged pass@k point of every source."""
+    return src.merge(evals, on=["run_id", "label"])[
+        ["row", "seed", "run_id", "label", "dataset", "k", "value"]
+    ]
+
+
+def missing_eval_notes(src: pd.DataFrame, evals: pd.DataFrame, ks: dict[str, int]) -> list[str]:
+    """One line per source that lacks a pass@1 / pass@k metric the ablation table shows."""
+    have = set(zip(evals["run_id"], evals["label"], evals["dataset"], evals["k"], strict=True))
+    notes = []
+    for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
+        lacking = [
+            f"eval/{label}/{ds}/pass_at_{k}"
+            for ds, kk in ks.items()
+            for k in sorted({1, kk})
+            if (run_id, label, ds, k) not in have
+        ]
+        if lacking:
+            notes.append(f"{row} seed {seed} (run {run_id}) lacks {', '.join(lacking)}")
+    return notes
+
+
+def grid_tables(runs: pd.DataFrame, meas: pd.DataFrame, seeds: list[int], ks: dict[str, int]) -> list[Table]:
+    """Table 6 for every method with a Branch guide whose runs span more than one (threshold, ratio)."""
+    out = []
+    branch = runs[(runs["guide"] == "branch") & (runs["method"] != "base")]
+    for label, group in branch.groupby("method"):
+        grid = group.assign(
+            threshold=group["params"].map(lambda p: p.get("guide.threshold")),
+            ratio=group["params"].map(lambda p: p.get("guide.ratio")),
+        ).dropna(subset=["threshold", "ratio"])
+        others = load.varying_params(list(grid["params"]), ignore=("guide.threshold", "guide.ratio"))
+        rest = grid["params"].map(lambda p, keys=tuple(others): tuple((k, p.get(k)) for k in keys))
+        for signature, part in grid.groupby(rest):
+            if part[["threshold", "ratio"]].drop_duplicates().shape[0] < 2:
+                continue
+            sub = meas.merge(part[["run_id", "threshold", "ratio"]], on="run_id")
+            extra = "" if not signature else " [" + ", ".join(f"{k}={v}" for k, v in signature) + "]"
+            for ds, k in ks.items():
+                slug = figures._slug(f"grid {label}{extra} {ds}").lower()
+                title = f"{label}{extra}: guide.threshold x guide.ratio on {ds}, pass@1 and pass@{k}"
+                out.append(tables.grid_table(sub, seeds, ds, k, name=slug, title=title))
+    return out
+
+
+def artifact_frames(
+    client, src: pd.DataFrame, datasets: list[str], tmp: Path
+) -> tuple[pd.DataFrame, pd.DataFrame, dict, list[str]]:
+    """Pattern frequencies and strategy mixes (row, seed, column, value) from each source's eval artifacts,
+    and the artifacts themselves per (run_id, label, dataset) for the perplexity pass."""
+    pat, mix, notes, cache = [], [], [], {}
+    multi = len(datasets) > 1
+    for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
+        for ds in datasets:
+            got = load.eval_artifacts(client, run_id, label, ds, tmp)
+            if got is None:
+                notes.append(f"{row} seed {seed} (run {run_id}) has no eval/{label} artifacts for {ds}")
+                continue
+            matrices, completions = got
+            cache[(run_id, label, ds)] = completions
+            correct = matrices[0][: len(completions)]  # completions may cover only the first problems
+            prefix = f"{ds}: " if multi else ""
+            for name, rx in patterns.PATTERNS.items():
+                value = patterns.pattern_frequency(completions, correct, rx)
+                pat.append({"row": row, "seed": seed, "column": prefix + name, "value": value})
+            for name, value in patterns.strategy_mix(completions).items():
+                mix.append({"row": row, "seed": seed, "column": prefix + name, "value": value})
+    return pd.DataFrame(pat, columns=SEED_FRAME), pd.DataFrame(mix, columns=SEED_FRAME), cache, notes
+
+
+def perplexity_frame(
+    client, runs: pd.DataFrame, src: pd.DataFrame, cache: dict, cap: int, tmp: Path
+) -> tuple[pd.DataFrame, list[str]]:
+    """(row, seed, run_id, ppl): the first ``cap`` completions of each source scored under its run's base
+    model (tag ``base_model``), prompts rebuilt from the run's config.yaml."""
+    from analysis.perplexity import completion_perplexities, load_base
+    from sage.evaluate import load_eval_rows, prompt_texts
+
+    base_of = dict(zip(runs["run_id"], runs["base_model"], strict=True))
+    models: dict[str, tuple] = {}
+    out, notes = [], []
+    for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
+        if not any(key[:2] == (run_id, label) for key in cache):
+            continue  # no completions artifact: already in the notes
+        path = base_of.get(run_id)
+        if path is None or not Path(path).exists():
+            notes.append(f"perplexity: {row} seed {seed} (run {run_id}): base model {path!r} is not here")
+            continue
+        if path not in models:
+            models[path] = load_base(path)
+        model, tokenizer = models[path]
+        cfg = load.run_config(client, run_id, tmp)
+        rows_by_ds = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)
+        prompts, texts = [], []
+        for ds, rows in rows_by_ds.items():
+            completions = cache.get((run_id, label, ds))
+            if completions is None:
+                continue
+            rendered = prompt_texts(tokenizer, rows[: len(completions)], bool(cfg.model.chat))
+            for p, per_problem in zip(rendered, completions, strict=True):
+                prompts += [p] * len(per_problem)
+                texts += per_problem
+        prompts, texts = prompts[:cap], texts[:cap]
+        ppl = completion_perplexities(model, tokenizer, prompts, texts)
+        if np.isnan(ppl).any():
+            empty = int(np.isnan(ppl).sum())
+            notes.append(f"perplexity: {row} seed {seed}: {empty} empty completions skipped")
+        out += [{"row": row, "seed": seed, "run_id": run_id, "ppl": v} for v in ppl if not np.isnan(v)]
+    return pd.DataFrame(out, columns=["row", "seed", "run_id", "ppl"]), notes
+
+
+def perplexity_table(ppl: pd.DataFrame) -> Table:
+    rows = []
+    for row in sorted(ppl["row"].unique(), key=tables.row_key):
+        v = ppl.loc[ppl["row"] == row, "ppl"].to_numpy()
+        values = (np.median(v), v.mean(), np.percentile(v, 90))
+        rows.append((row, [str(len(v)), *(f"{x:.3f}" for x in values)]))
+    columns = ["samples", "median", "mean", "90th percentile"]
+    title = "perplexity of samples under the base model (pooled over seeds)"
+    return Table("perplexity", title, columns, rows)
+
+
+def provenance(uri: str, experiment: str, run_ids: Sequence[str], sel: Selection) -> str:
+    commits = sel.runs["git_commit"].value_counts()
+    commit_text = ", ".join(f"`{c[:12]}` ({n} runs)" for c, n in commits.items())
+    what = f"runs {', '.join(run_ids)}" if run_ids else f"experiment `{experiment}`"
+    return (
+        f"Provenance: {what} in `{redact(uri)}`; {len(sel.runs)} finished sage-train runs used"
+        f" ({sel.skipped} left out); seeds asked {sel.seeds}; git commits: {commit_text};"
+        f" generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by sage-report."
+    )
+
+
+def write_table(t: Table, tables_dir: Path, digits: int) -> None:
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    (tables_dir / f"{t.name}.md").write_text(tables.to_markdown(t, digits) + "\n")
+    (tables_dir / f"{t.name}.tex").write_text(tables.to_latex(t, digits) + "\n")
+    (tables_dir / f"{t.name}.csv").write_text(tables.to_csv(t))
+
+
+@dataclass
+class Report:
+    markdown: str
+    tables: dict[str, Table]
+    figures: dict[str, Path]
+    notes: list[str]
+
+
+def build(
+    client,
+    uri: str,
+    *,
+    experiment: str = "sage",
+    run_ids: Sequence[str] = (),
+    filter_string: str = "",
+    seeds: Sequence[int] | None = None,
+    k: int | None = None,
+    out: Path,
+    figures_dir: Path,
+    tables_dir: Path,
+    perplexity_cap: int = 2000,
+    digits: int = 3,
+) -> Report:
+    sel = select(client, experiment, run_ids, filter_string, seeds)
+    runs, asked = sel.runs, sel.seeds
+    notes = list(sel.notes)
+    evals = load.eval_frame(runs)
+    if evals.empty:
+        raise ReportError(
+            f"none of the {len(runs)} runs logged eval/<base|trained>/<dataset>/pass_at_<k> metrics "
+            "(trained with eval.at_end=false?): nothing to tabulate"
+        )
+    src, src_notes = sources(runs)
+    notes += src_notes
+    ks = tables.default_ks(evals, k)
+    notes += missing_eval_notes(src, evals, ks)
+    meas = measurements(src, evals)
+    if not (runs["method"] == "base").any():
+        notes += disagreeing_base_notes(meas, src)
+    made: dict[str, Table] = {}
+    figs: dict[str, Path] = {}
+    sections: list[str] = []
+
+    def add(t: Table, heading: str, text: str = "") -> None:
+        made[t.name] = t
+        write_table(t, tables_dir, digits)
+        caption = t.title + "." + (" " + text if text else "")
+        sections.append(f"## {heading}\n\n{caption}\n\n{tables.to_markdown(t, digits)}\n")
+
+    add(tables.ablation_table(meas, asked, ks), "Methods (Tables 1, 3, 4, 9)")
+    grids = grid_tables(runs, meas[meas["label"] == "trained"], asked, ks)
+    for g in grids:
+        add(g, "Branch threshold x ratio (Table 6)")
+    if not grids:
+        notes.append("no grid table: no Branch method has runs at more than one (threshold, ratio)")
+
+    trained = runs[runs["method"] != "base"]
+    grad = load.history_frame(client, list(trained["run_id"]), "train/grad_norm")
+    gframe, gnotes = tables.grad_norm_frame(trained, grad)
+    notes += gnotes
+    add(
+        tables.seed_table(
+            gframe,
+            asked,
+            tables.THIRDS,
+            name="grad_norm_thirds",
+            title="mean train/grad_norm over the early / middle / late thirds of the training steps",
+            rows=sorted(trained["row"].unique(), key=tables.row_key),
+        ),
+        "Gradient norm by thirds of training (Table 5)",
+    )
+
+    datasets = sorted(ks)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        pat, mix, cache, anotes = artifact_frames(client, src, datasets, tmp)
+        notes += anotes
+        rows_all = sorted(src["row"].unique(), key=tables.row_key)
+        pcols = [c for c in pat["column"].unique()] if len(pat) else list(patterns.PATTERNS)
+        add(
+            tables.seed_table(
+                pat,
+                asked,
+                pcols,
+                name="reasoning_patterns",
+                rows=rows_all,
+                title="frequency of reasoning patterns among correct solutions",
+            ),
+            "Reasoning patterns (Table 2)",
+            "Formula of SAGE.md section 6 over problems with a correct sample; see analysis/patterns.py.",
+        )
+        mcols = [c for c in mix["column"].unique()] if len(mix) else list(patterns.STRATEGY_NAMES)
+        add(
+            tables.seed_table(
+                mix,
+                asked,
+                mcols,
+                name="strategy_mix",
+                rows=rows_all,
+                title="fraction of all evaluation samples following each testbed strategy",
+            ),
+            "Solution-strategy mix of samples",
+            "`other`: not one of the testbed teacher's strategies (sage.testbed.task.classify_strategy).",
+        )
+        if perplexity_cap > 0:
+            ppl, pnotes = perplexity_frame(client, runs, src, cache, perplexity_cap, tmp)
+            notes += pnotes
+            if len(ppl):
+                add(
+                    perplexity_table(ppl),
+                    "Perplexity under the base model (Figure 7)",
+                    f"At most {perplexity_cap} samples per run.",
+                )
+                figs["perplexity"] = figures.perplexity_distributions(ppl, figures_dir)
+                sections.append(_figure(figs["perplexity"], out, "perplexity under the base model"))
+            else:
+                notes.append("no perplexity figure: no samples could be scored")
+
+    curves = src.merge(load.curve_frame(client, runs), on=["run_id", "label"])
+    if curves.empty:
+        notes.append("no pass@k curve figure: no run logged eval/<label>/<dataset>/pass_at_k_curve")
+    else:
+        for p in figures.passk_curves(curves[["row", "seed", "dataset", "k", "value"]], figures_dir):
+            figs[p.stem] = p
+            sections.append(_figure(p, out, f"pass@k curves ({p.stem.removeprefix('passk_')}), Figure 3"))
+
+    tsrc = src[src["label"] == "trained"]
+    reward = tsrc.merge(load.history_frame(client, list(tsrc["run_id"]), "train/reward"), on="run_id")
+    periodic = tsrc.merge(load.periodic_frame(client, runs), on="run_id")
+    if periodic.empty:
+        notes.append(
+            "Figure 2: no run logged eval/periodic/<dataset>/pass_at_1 (train with eval.every_steps=N): "
+            "only the training reward is shown"
+        )
+    if reward.empty:
+        notes.append("no Figure 2: no run logged train/reward")
+    else:
+        kl_free = set(trained.loc[trained["divergence"] == "none", "row"])
+        figs["reward_vs_heldout"] = figures.reward_vs_accuracy(
+            reward[["row", "seed", "step", "value"]],
+            periodic[["row", "seed", "dataset", "step", "value"]],
+            kl_free,
+            figures_dir,
+        )
+        caption = "training reward vs held-out pass@1, Figure 2"
+        sections.append(_figure(figs["reward_vs_heldout"], out, caption))
+
+    head = f"# Results: {'selected runs' if run_ids else 'experiment ' + experiment}\n\n"
+    head += provenance(uri, experiment, run_ids, sel) + "\n\n"
+    head += (
+        "Cells: mean ± std (ddof=1) over training seeds; `± —`: one seed; `(n/m seeds)`: fewer seeds than "
+        "asked, the mean is over those present.\n"
+    )
+    note_text = "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""
+    markdown = head + "\n" + "\n".join(sections) + note_text
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown)
+    return Report(markdown, made, figs, notes)
+
+
+def _figure(path: Path, out: Path, caption: str) -> str:
+    return f"![{caption}]({os.path.relpath(path, out.parent)})\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sage-report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment", default="sage", help="MLflow experiment name (default: sage)")
+    p.add_argument("--run-ids", default="", help="comma-separated run ids instead of a whole experiment")
+    p.add_argument("--filter", default="", help="MLflow filter string, e.g. \"tags.grid = '/sweep/dir'\"")
+    p.add_argument(
+        "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else outputs/mlflow.db"
+    )
+    p.add_argument("--seeds", default="", help="training seeds asked, e.g. 1,2,3 (default: all present)")
+    p.add_argument("--k", type=int, default=None, help="k of the pass@k columns (default: largest logged)")
+    p.add_argument("--out", type=Path, default=Path("docs/results/report.md"), help="the Markdown report")
+    p.add_argument("--figures-dir", type=Path, default=None, help="default: <out dir>/figures")
+    p.add_argument("--tables-dir", type=Path, default=None, help="default: <out dir>/tables")
+    p.add_argument("--perplexity-max", type=int, default=2000, help="samples scored per run; 0: skip")
+    p.add_argument("--digits", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download otherwise
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
+    except ValueError:
+        print(f"sage-report: --seeds takes integers separated by commas, not {args.seeds!r}", file=sys.stderr)
+        return 2
+    try:
+        client, uri = load.open_store(args.tracking_uri)
+        rep = build(
+            client,
+            uri,
+            experiment=args.experiment,
+            run_ids=[r for r in args.run_ids.split(",") if r.strip()],
+            filter_string=args.filter,
+            seeds=seeds,
+            k=args.k,
+            out=args.out,
+            figures_dir=args.figures_dir or args.out.parent / "figures",
+            tables_dir=args.tables_dir or args.out.parent / "tables",
+            perplexity_cap=args.perplexity_max,
+            digits=args.digits,
+        )
+    except ReportError as e:
+        print(f"sage-report: {e}", file=sys.stderr)
+        return 2
+    for n in rep.notes:
+        print(f"note: {n}", file=sys.stderr)
+    print(f"report: {args.out} ({len(rep.tables)} tables, {len(rep.figures)} figures)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

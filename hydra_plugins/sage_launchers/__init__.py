@@ -1,0 +1,1 @@
+"""sage's submitit launchers (``hydra/launcher=local|slurm``, configs in launchers/hydra/launcher/)."""

@@ -1,0 +1,341 @@
+"""An Optuna 5 sweeper behind Hydra's Sweeper interface (hydra-optuna-sweeper pins optuna<3).
+
+    sage-train -m hydra/sweeper=optuna sweep=branch_threshold_ratio [hydra/launcher=slurm]
+
+How it runs a study:
+- The search space is ``hydra.sweeper.params`` (usually from ``sweeps/<name>.yaml``) plus any sweep-syntax
+  override on the command line; other overrides are passed unchanged to every trial. Before anything is
+  submitted, every range is checked and one trial config per choice value is composed locally, so a
+  misspelt key or bad range fails with one line naming it.
+- Trials are asked in batches of ``n_jobs`` and run through whichever Hydra launcher is selected (local
+  processes, a SLURM array); each trial gets ``tracking.tags.study`` and ``tracking.tags.trial``.
+- The study lives in ``storage`` (SQLite file by default, any SQLAlchemy URL such as PostgreSQL), created or
+  loaded by name. Re-running the same command resumes it: trials already finished count towards
+  ``n_trials``; trials left RUNNING by a killed driver are marked FAIL and their params re-enqueued; a trial
+  whose job failed is marked FAIL and retried up to ``max_retries`` times. Only one driver per study may run
+  at a time (a second one would take the first one's running trials for lost ones).
+- Objectives: each name in ``objectives`` is read from the metrics dict the task function returns; with
+  ``weights`` they are combined into one value (sum of weight * metric). With several objectives the
+  result is the Pareto front, printed and written to ``<sweep dir>/optimization_results.yaml``.
+- Pruners are wired into the study, but sage-train does not report intermediate values yet, so a pruner
+  other than ``nop`` has nothing to act on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn
+from hydra.errors import CompactHydraException
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+class SweepError(CompactHydraException):
+    """A sweep that cannot start or must stop; the message is one line naming the key at fault."""
+
+
+def distribution(key: str, override: Override) -> Any:
+    """A sweep override (``choice``, ``range``, ``interval``, ``int(interval)``, ``tag(log, interval)``) ->
+    the Optuna distribution; a bad range raises SweepError naming the key."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    sweep = override.value()
+    if isinstance(sweep, ChoiceSweep):
+        choices = list(override.sweep_iterator())
+        bad = [c for c in choices if not isinstance(c, bool | int | float | str) and c is not None]
+        if not choices or bad:
+            raise SweepError(f"sweep param {key}: choice() needs scalar values, got {sweep.list}")
+        return CategoricalDistribution(choices)
+    if isinstance(sweep, RangeSweep):
+        values = list(override.sweep_iterator())
+        if not values:
+            raise SweepError(f"sweep param {key}: range({sweep.start}, {sweep.stop}, {sweep.step}) is empty")
+        return CategoricalDistribution(values)
+    if isinstance(sweep, IntervalSweep):
+        low, high, log_scale = sweep.start, sweep.end, "log" in sweep.tags
+        if not low < high:
+            raise SweepError(f"sweep param {key}: interval({low}, {high}) needs low < high")
+        if log_scale and low <= 0:
+            raise SweepError(f"sweep param {key}: a log interval needs low > 0, got {low}")
+        if isinstance(low, int) and isinstance(high, int):
+            return IntDistribution(low, high, log=log_scale)
+        return FloatDistribution(float(low), float(high), log=log_scale)
+    raise SweepError(f"sweep param {key}: {override.input_line} is not choice/range/interval")
+
+
+def quote(value: Any) -> str:
+    """A value as a Hydra override literal."""
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+class SageOptunaSweeper(Sweeper):
+    def __init__(
+        self,
+        study_name: str,
+        storage: str,
+        n_trials: int,
+        n_jobs: int,
+        objectives: Sequence[str],
+        weights: Sequence[float] | None,
+        directions: Sequence[Any],
+        params: dict[str, str],
+        max_retries: int,
+        max_failures: int,
+        sampler: Any,
+        pruner: Any,
+    ) -> None:
+        # Hydra instantiates the sweeper recursively: sampler and pruner arrive built (the grid sampler as a
+        # partial still waiting for its grid).
+        self.study_name = study_name
+        self.storage = storage
+        self.n_trials = n_trials
+        self.n_jobs = n_jobs
+        self.objectives = list(objectives)
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.directions = [getattr(d, "value", str(d)) for d in directions]
+        self.params = {str(k): str(v) for k, v in (params or {}).items()}
+        self.max_retries = max_retries
+        self.max_failures = max_failures
+        self.sampler = sampler
+        self.pruner = pruner
+        self.job_idx = 0
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    # ---------------------------------------------------------------- before anything is submitted
+    def check_settings(self) -> None:
+        if self.n_trials < 1 or self.n_jobs < 1:
+            raise SweepError(
+                f"hydra.sweeper.n_trials ({self.n_trials}) and n_jobs ({self.n_jobs}) must be >= 1"
+            )
+        if not self.objectives:
+            raise SweepError("hydra.sweeper.objectives is empty: name at least one metric of the run")
+        if self.weights is not None and len(self.weights) != len(self.objectives):
+            raise SweepError(
+                f"hydra.sweeper.weights has {len(self.weights)} entries for {len(self.objectives)} objectives"
+            )
+        n_values = 1 if self.weights is not None else len(self.objectives)
+        if len(self.directions) != n_values:
+            raise SweepError(
+                f"hydra.sweeper.directions has {len(self.directions)} entries, the study has {n_values} "
+                f"objective value(s) ({'weighted sum' if self.weights else ', '.join(self.objectives)})"
+            )
+
+    def search_space(self, arguments: list[str]) -> tuple[dict[str, Any], list[str]]:
+        """(key -> distribution, fixed overrides) from hydra.sweeper.params and the command line."""
+        parser = OverridesParser.create()
+        merged: dict[str, Override] = {}
+        for key, value in self.params.items():
+            try:
+                (merged[key],) = parser.parse_overrides([f"{key}={value}"])
+            except Exception as e:
+                raise SweepError(
+                    f"sweep param {key}: cannot parse {value!r}: {str(e).splitlines()[0]}"
+                ) from e
+        for o in parser.parse_overrides(arguments):  # the command line wins over the sweep file
+            merged[o.get_key_element()] = o
+        space, fixed = {}, []
+        for key, o in merged.items():
+            if o.is_sweep_override():
+                space[key] = distribution(key, o)
+            else:
+                fixed.append(o.input_line)
+        if not space:
+            raise SweepError(
+                "nothing to search: hydra.sweeper.params (sweep=<name>) has no choice/range/interval"
+            )
+        return space, fixed
+
+    def trial_overrides(self, fixed: list[str], params: dict[str, Any], number: int) -> list[str]:
+        return [
+            *fixed,
+            *(f"{k}={quote(v)}" for k, v in params.items()),
+            f"++tracking.tags.study={quote(self.study_name)}",
+            f"++tracking.tags.trial={quote(str(number))}",
+        ]
+
+    def compose_samples(self, space: dict[str, Any], fixed: list[str]) -> None:
+        """Compose the trial config locally for the low end of every range and for each choice value."""
+        from optuna.distributions import CategoricalDistribution
+
+        low = {k: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low for k, d in space.items()}
+        samples = [low]
+        for k, d in space.items():
+            if isinstance(d, CategoricalDistribution):
+                samples += [{**low, k: c} for c in d.choices[1:]]
+            else:
+                samples.append({**low, k: d.high})
+        for s in samples:
+            try:
+                self.validate_batch_is_legal([self.trial_overrides(fixed, s, 0)])
+            except Exception as e:
+                msg = " ".join(str(e).split("Config search path")[0].split())  # one line, no search path
+                raise SweepError(f"a trial of this sweep does not compose ({s}): {msg}") from e
+
+    # ---------------------------------------------------------------- the study
+    def create_study(self, space: dict[str, Any]):
+        import optuna
+
+        sampler = self.sampler
+        if isinstance(sampler, functools.partial):  # the grid sampler: the grid is the space's choices
+            grid = {k: getattr(d, "choices", None) for k, d in space.items()}
+            if any(v is None for v in grid.values()):
+                missing = [k for k, v in grid.items() if v is None]
+                raise SweepError(
+                    f"hydra/sweeper/sampler=grid needs choice()/range() params, not interval: {missing}"
+                )
+            sampler = sampler(search_space=grid)
+        if self.storage.startswith("sqlite:///"):
+            Path(self.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(
+            storage=self.storage,
+            sampler=sampler,
+            pruner=self.pruner,
+            study_name=self.study_name,
+            directions=self.directions,
+            load_if_exists=True,
+        )
+        stored = [d.name.lower() for d in study.directions]
+        if stored != self.directions:
+            raise SweepError(
+                f"study {self.study_name!r} in {self.storage} has directions {stored}, the config asks for "
+                f"{self.directions}: use another hydra.sweeper.study_name or matching objectives"
+            )
+        return study
+
+    def recover_lost_trials(self, study) -> None:
+        """Trials still RUNNING belong to a killed driver: mark them FAIL and run their params again."""
+        from optuna.trial import TrialState
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            log.warning(
+                "trial %d was left running by a killed sweep: marked failed and re-enqueued", t.number
+            )
+            study.tell(t.number, state=TrialState.FAIL)
+            study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number, "attempt": 0})
+
+    def values(self, metrics: Any, number: int) -> list[float]:
+        if not isinstance(metrics, dict):
+            raise SweepError(
+                f"trial {number}: the task function returned {type(metrics).__name__}, not a dict"
+            )
+        missing = [m for m in self.objectives if m not in metrics]
+        if missing:
+            raise SweepError(
+                f"trial {number}: objective(s) {missing} not in the run's metrics "
+                f"({', '.join(sorted(metrics)) or 'none'}): set hydra.sweeper.objectives"
+            )
+        vals = [float(metrics[m]) for m in self.objectives]
+        if self.weights is not None:
+            return [sum(w * v for w, v in zip(self.weights, vals, strict=True))]
+        return vals
+
+    def sweep(self, arguments: list[str]) -> list[dict[str, Any]]:
+        from optuna.trial import TrialState
+
+        self.check_settings()
+        space, fixed = self.search_space(arguments)
+        self.compose_samples(space, fixed)
+        study = self.create_study(space)
+        self.recover_lost_trials(study)
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        finished = (TrialState.COMPLETE, TrialState.PRUNED)
+        done = len(study.get_trials(deepcopy=False, states=finished))
+        log.info(
+            "Study %s in %s: %d of %d trials finished, %d at a time; space %s",
+            self.study_name,
+            re.sub(r"://[^/@\s]+@", "://***@", self.storage),  # no password in the log
+            done,
+            self.n_trials,
+            self.n_jobs,
+            {k: repr(d) for k, d in space.items()},
+        )
+        failures = 0
+        while done < self.n_trials:
+            trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - done))]
+            batch = [self.trial_overrides(fixed, t.params, t.number) for t in trials]
+            for i, t in enumerate(trials):
+                t.set_user_attr("sweep_dir", str(sweep_dir))
+                t.set_user_attr("job_num", self.job_idx + i)
+            returns: Sequence[JobReturn] = self.launcher.launch(batch, initial_job_idx=self.job_idx)
+            self.job_idx += len(batch)
+            for t, ret in zip(trials, returns, strict=True):
+                try:
+                    metrics = ret.return_value
+                except Exception as e:  # the job failed or was killed
+                    failures += 1
+                    study.tell(t, state=TrialState.FAIL)
+                    attempt = int(t.user_attrs.get("attempt", 0))
+                    log.error("trial %d failed: %s", t.number, " ".join(str(e).split())[:500])
+                    if attempt < self.max_retries:
+                        study.enqueue_trial(
+                            dict(t.params), user_attrs={"retry_of": t.number, "attempt": attempt + 1}
+                        )
+                    continue
+                try:
+                    vals = self.values(metrics, t.number)
+                except SweepError:
+                    study.tell(t, state=TrialState.FAIL)
+                    raise
+                if any(math.isnan(v) for v in vals):
+                    failures += 1
+                    log.error("trial %d: an objective is NaN (%s); marked failed", t.number, vals)
+                    study.tell(t, state=TrialState.FAIL)
+                    continue
+                study.tell(t, vals)
+                done += 1
+                log.info("trial %d: %s -> %s", t.number, t.params, vals)
+            if failures >= self.max_failures:
+                raise SweepError(
+                    f"{failures} trials failed in this run (hydra.sweeper.max_failures={self.max_failures}); "
+                    f"see the job logs in {sweep_dir}/.submitit"
+                )
+        return self.report(study, sweep_dir)
+
+    def report(self, study, sweep_dir: Path) -> list[dict[str, Any]]:
+        best = [
+            {"number": t.number, "values": list(t.values), "params": dict(t.params)}
+            for t in sorted(study.best_trials, key=lambda t: t.number)
+        ]
+        names = ["weighted"] if self.weights else self.objectives
+        log.info(
+            "Best trials of study %s (%s, %s):", self.study_name, ", ".join(names), "/".join(self.directions)
+        )
+        for b in best:
+            log.info("  trial %d: %s  %s", b["number"], [round(v, 4) for v in b["values"]], b["params"])
+        OmegaConf.save(
+            OmegaConf.create(
+                {
+                    "study_name": self.study_name,
+                    "storage": self.storage,
+                    "objectives": names,
+                    "directions": self.directions,
+                    "best_trials": best,
+                }
+            ),
+            sweep_dir / "optimization_results.yaml",
+        )
+        return best

@@ -1,0 +1,1 @@
+"""Hydra launcher configs (hydra/launcher/*.yaml, searched as pkg://launchers) and service scripts."""

@@ -1,0 +1,176 @@
+"""``make bench`` (``python -m sage.bench [--only eval,overhead,run]``): speed and memory figures, printed as
+``name: value`` lines. Every comparison is measured side by side in one run (medians over repeats where
+timing is noisy), since other jobs share these two cores.
+
+- eval: sampled tokens/s of our evaluator's sampler vs the authors' approach (one ``generate`` call per
+  problem with num_return_sequences=n), same testbed model, problems, n and max length;
+- overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed);
+- run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+PROBLEMS, SAMPLES, REPEATS = 40, 64, 3
+OVERHEAD_STEPS, WARMUP_STEPS = 12, 2
+
+
+def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new: int) -> int:
+    """The authors' evaluator: one generate call per problem, n samples each; returns sampled tokens
+    (eos included, padding after it excluded, as our sampler counts them)."""
+    eos = model.generation_config.eos_token_id
+    n_tokens = 0
+    for ids in prompt_ids:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new,
+                num_return_sequences=n,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        gen = out[:, len(ids) :]  # (n, T)
+        is_eos = gen == eos
+        before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0  # positions up to and including the first eos
+        n_tokens += int((before_eos & ((gen != tokenizer.pad_token_id) | is_eos)).sum())
+    return n_tokens
+
+
+def bench_eval() -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sage.evaluate import HFSampler, SamplingSettings
+    from sage.testbed.model import build_tiny_model
+    from sage.testbed.task import heldout_rows
+
+    path = build_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    max_new = 64  # model=tiny's max_completion_length: the training max length
+    ids = [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(PROBLEMS)]
+    sampler = HFSampler(model, tokenizer, batch_size=512)
+    ours, theirs = [], []
+    for seed in range(REPEATS):  # interleaved, so both see the same background load
+        s = SamplingSettings(SAMPLES, 1.0, 1.0, max_new, chat=False, seed=seed)
+        t0 = time.perf_counter()
+        n = sampler.sample(ids, s).n_tokens
+        ours.append(n / (time.perf_counter() - t0))
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        n = _per_problem_generate(model, tokenizer, ids, SAMPLES, max_new)
+        theirs.append(n / (time.perf_counter() - t0))
+    ours_tps, theirs_tps = statistics.median(ours), statistics.median(theirs)
+    return {
+        "eval_tokens_per_s_ours": round(ours_tps, 1),
+        "eval_tokens_per_s_per_problem_generate": round(theirs_tps, 1),
+        "eval_speedup_vs_per_problem_generate": round(ours_tps / theirs_tps, 2),
+    }
+
+
+def _sage_train(overrides: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run ``python -m sage.train``; returns (wall seconds, peak RSS of the process tree in GB), polling
+    the RSS of the process and all its children (the grading/tokenizer workers count too)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sage.train", *overrides],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    root = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass  # a child exited between listing and reading: the next poll sees the tree again
+        time.sleep(0.2)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"sage-train {' '.join(overrides)} failed: {stderr[-2000:]}")
+    return time.perf_counter() - t0, peak / 1e9
+
+
+def _median_step_time(out: Path) -> float:
+    log = json.loads((out / "train_log.json").read_text())
+    times = [e["step_time"] for e in log if "step_time" in e and e["step"] > WARMUP_STEPS]
+    return statistics.median(times)
+
+
+def bench_overhead() -> dict[str, float]:
+    medians = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for guide in ("none", "branch"):
+            out = Path(tmp) / guide
+            _sage_train(
+                [
+                    f"guide={guide}",
+                    f"trainer.max_steps={OVERHEAD_STEPS}",
+                    "eval.at_end=false",
+                    "seed=0",
+                    f"output_dir={out}",
+                ]
+            )
+            medians[guide] = _median_step_time(out)
+    return {
+        "step_time_s_guide_none": round(medians["none"], 4),
+        "step_time_s_guide_branch": round(medians["branch"], 4),
+        "sage_overhead_ratio": round(medians["branch"] / medians["none"], 3),
+    }
+
+
+def bench_run() -> dict[str, float]:
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        # cached: the default cache (built there first if needed, outside the timing)
+        from sage.testbed.model import build_tiny_model
+
+        build_tiny_model()
+        wall, peak = _sage_train([f"output_dir={Path(tmp) / 'cached'}"])
+        out["run_cached_s"], out["peak_rss_gb_cached"] = round(wall, 1), round(peak, 2)
+        wall, peak = _sage_train(
+            [f"output_dir={Path(tmp) / 'cold'}"], env={"SAGE_CACHE_DIR": str(Path(tmp) / "c")}
+        )
+        out["run_cold_s"], out["peak_rss_gb"] = round(wall, 1), round(peak, 2)
+    out["peak_rss_gb"] = max(out["peak_rss_gb"], out.pop("peak_rss_gb_cached"))
+    return out
+
+
+BENCHES = {"eval": bench_eval, "overhead": bench_overhead, "run": bench_run}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", default=",".join(BENCHES), help=f"comma-separated subset of {list(BENCHES)}"
+    )
+    args = parser.parse_args()
+    chosen = args.only.split(",")
+    unknown = [c for c in chosen if c not in BENCHES]
+    if unknown:
+        parser.error(f"--only: unknown bench {unknown}; choose from {list(BENCHES)}")
+    for name in chosen:
+        for key, value in BENCHES[name]().items():
+            print(f"{key}: {value}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

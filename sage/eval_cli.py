@@ -1,0 +1,108 @@
+"""sage-eval: unbiased pass@k curves (k = 1..n) of any checkpoint on the eval datasets, resumable.
+
+    sage-eval checkpoint=outputs/<run>/final eval=math_suite eval.n_samples=256 eval.seeds=[0,1,2]
+    sage-eval checkpoint=<LoRA adapter folder> model=qwen2.5-math-7b rollout=vllm      # GPU cluster
+    sage-eval eval=math_suite                                # the model group's base model
+
+It composes the same ``model``, ``eval`` and ``rollout`` groups as ``sage-train`` and calls the same
+``sage.evaluate.evaluate_model``, so for the same checkpoint, settings and seeds it gives the numbers of the
+trainer's end-of-run evaluation. The model group supplies the prompt format (chat), dtype and the training
+max length (the default eval length); a LoRA adapter folder is merged onto the base it names.
+
+Where results go (``output_dir``, each cell a subfolder keyed by its settings, plus ``results.json``):
+``<checkpoint>/eval`` for a checkpoint folder; for the base model (checkpoint=null) the shared cache
+folder that ``sage-train`` uses for its "base" row, so neither re-samples what the other finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from sage.config import ConfigError, EvalConfig, ModelConfig, RolloutConfig, build, register_configs
+from sage.train import CONF_DIR, base_results_dir, format_table
+
+log = logging.getLogger("sage.eval")
+
+
+@dataclass
+class EvaluateConfig:
+    model: ModelConfig = MISSING
+    eval: EvalConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    checkpoint: str | None = field(
+        default=None, metadata={"help": "model or LoRA adapter folder; None: the model group's base model"}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "None: <checkpoint>/eval, or sage-train's base-model cache folder"}
+    )
+
+
+register_configs()
+ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
+
+
+def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
+    """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
+    from sage.evaluate import check_backend, evaluate_model, load_eval_rows
+
+    for k in cfg.eval.ks:
+        if not 1 <= k <= cfg.eval.n_samples:
+            raise ConfigError(
+                f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}"
+            )
+    check_backend(cfg.rollout)
+    if cfg.checkpoint is not None and not Path(cfg.checkpoint).is_dir():
+        raise ConfigError(
+            f"checkpoint={cfg.checkpoint} is not a folder; for a hub model leave checkpoint unset"
+        )
+    rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)  # a bad data file fails before any model loads
+
+    if cfg.checkpoint is None:
+        model_path = build(cfg.model.source)
+        default_dir = base_results_dir(model_path)
+        label = "base"
+    else:
+        model_path = str(Path(cfg.checkpoint).resolve())
+        default_dir = Path(model_path) / "eval"
+        label = Path(model_path).name
+    results_dir = Path(cfg.output_dir).resolve() if cfg.output_dir else default_dir
+    res = evaluate_model(
+        model_path,
+        rows,
+        cfg.eval,
+        chat=cfg.model.chat,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
+        results_dir=results_dir,
+        dtype=str(cfg.model.dtype.value),
+        rollout=cfg.rollout,
+    )
+    summaries = {ds: r["summary"] for ds, r in res.items()}
+    print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
+    print(f"\nresults: {results_dir / 'results.json'}")
+    return summaries
+
+
+@hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        evaluate(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Optuna search spaces: ``sweeps/<name>.yaml`` is ``sweep=<name>`` (hydra/sweeper=optuna)."""

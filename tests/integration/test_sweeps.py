@@ -1,0 +1,346 @@
+"""Grids and Optuna studies through the SLURM launcher on a real single-node SLURM cluster, with real
+(shrunken) testbed runs: every job completes and is tagged in MLflow, a study resumes without re-running
+finished trials and retries the trial a killed driver lost, a killed job is reported failed promptly, and
+a preempted job is requeued and resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+METHODS = sorted(p.stem for p in (REPO / "conf" / "method").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+# The testbed's base model (cached in SAGE_CACHE_DIR / ~/.cache/sage, which the jobs inherit), 2 RL steps
+# and a tiny evaluation: the jobs are real sage-train runs, only short.
+SHRINK = [
+    "trainer.max_steps=2",
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "eval.n_samples=4",
+    "eval.ks=[1,4]",
+    "eval.limit=4",
+]
+OBJECTIVES = "hydra.sweeper.objectives=[trained/arith_heldout/pass@1,trained/arith_heldout/pass@4]"
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import sage.train  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_composes(method):
+    """Each preset sets its label and the groups its comment promises; a guide always has a divergence."""
+    cfg = compose([f"method={method}"])
+    assert cfg.method == method
+    assert (cfg.trainer.max_steps == 0) == (method == "base")
+    if cfg.guide._target_ != "sage.guides.NoGuide":
+        assert cfg.divergence.beta > 0, method
+    assert ("branch" in method) == (cfg.guide._target_ == "sage.guides.BranchGuide")
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_names_existing_methods(experiment):
+    params = compose([f"experiment={experiment}"]).hydra.sweeper.params
+    assert set(str(params.method).split(",")) <= set(METHODS), params.method
+    for key in params:
+        if key != "method":  # every other swept key exists in the config of the experiment's method
+            cfg = compose([f"method={str(params.method).split(',')[0]}"])
+            assert OmegaConf.select(cfg, key) is not None, key
+
+
+def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) in the background."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "sage.train", "-m", *args],
+        cwd=REPO,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def slurm_jobs(sweep_dir: Path) -> list[str]:
+    """Array job ids submitit used for this sweep (its folders are named after them)."""
+    return sorted({p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit()})
+
+
+def sacct_states(env: dict[str, str], job_id: str) -> dict[str, str]:
+    """{array task: state}; a task whose result is in may still be RUNNING/COMPLETING for a moment."""
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(line.split("|", 1) for line in out.split())
+
+
+def final_states(env: dict[str, str], job_id: str, timeout: float = 60) -> dict[str, str]:
+    end = time.monotonic() + timeout
+    while True:
+        states = sacct_states(env, job_id)
+        if time.monotonic() > end or not set(states.values()) & {"PENDING", "RUNNING", "COMPLETING"}:
+            return states
+        time.sleep(1)
+
+
+def mlflow_runs(uri: str, experiment: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r} at {uri}"
+    return client.search_runs([exp.experiment_id])
+
+
+def squeue(env: dict[str, str], job: str) -> str:
+    """'<state> <reason>' of a job slurmctld still knows about, else ''."""
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(
+                f"the sweep ended ({proc.returncode}) while waiting for {what}: {proc.stderr.read()[-3000:]}"
+            )
+        time.sleep(1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def running_job(env: dict[str, str], sweep_dir: Path) -> str | None:
+    """The SLURM id (``<array>_<task>``) of the sweep's job once it is RUNNING."""
+    if not (sweep_dir / ".submitit").is_dir() or not slurm_jobs(sweep_dir):
+        return None
+    states = sacct_states(env, slurm_jobs(sweep_dir)[0])
+    return next((j for j, s in states.items() if s == "RUNNING"), None)
+
+
+@pytest.mark.integration
+def test_grid_through_slurm_every_job_completes(slurm_cluster, mlflow_server, tmp_path):
+    """A 2 x 2 grid (method x seed) as one SLURM array; each job a real run, tagged in MLflow."""
+    sweep_dir = tmp_path / "grid"
+    t0 = time.monotonic()
+    rc, log = finish(
+        driver(
+            slurm_cluster,
+            "hydra/launcher=slurm",
+            "method=grpo,grpo_branch",
+            "seed=1,2",
+            f"hydra.sweep.dir={sweep_dir}",
+            f"tracking.uri={mlflow_server}",
+            "tracking.experiment=it-grid",
+            *SHRINK,
+        ),
+        timeout=420,
+    )
+    assert rc == 0, log[-4000:]
+    (array,) = slurm_jobs(sweep_dir)
+    states = final_states(slurm_cluster, array)
+    assert sorted(states) == [f"{array}_{i}" for i in range(4)] and set(states.values()) == {"COMPLETED"}, (
+        states
+    )
+    for i in range(4):
+        metrics = json.loads((sweep_dir / str(i) / "metrics.json").read_text())
+        assert 0 <= metrics["trained/arith_heldout/pass@1"] <= metrics["trained/arith_heldout/pass@4"] <= 1
+    runs = mlflow_runs(mlflow_server, "it-grid")
+    tags = sorted((r.data.tags.get("method"), r.data.tags.get("job_num")) for r in runs)
+    assert tags == [("grpo", "0"), ("grpo", "1"), ("grpo_branch", "2"), ("grpo_branch", "3")], tags
+    assert {r.data.tags.get("grid") for r in runs} == {str(sweep_dir.resolve())}
+    print(f"grid of 4 jobs: {time.monotonic() - t0:.0f} s")
+
+
+@pytest.mark.integration
+def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
+    """3 trials, then a 'killed driver' leaves a 4th RUNNING; re-running the command with n_trials=4 marks it
+    failed, runs its params again and nothing else."""
+    import optuna
+
+    db = tmp_path / "study.db"
+    common = [
+        "hydra/sweeper=optuna",
+        "sweep=branch_threshold_ratio",
+        "hydra/launcher=slurm",
+        "hydra.sweeper.study_name=it-study",
+        f"hydra.sweeper.storage=sqlite:///{db}",
+        "hydra.sweeper.n_jobs=2",
+        OBJECTIVES,
+        f"tracking.uri={mlflow_server}",
+        "tracking.experiment=it-study",
+        *SHRINK,
+    ]
+    t0 = time.monotonic()
+    rc, log = finish(
+        driver(slurm_cluster, *common, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path / 'run1'}"),
+        420,
+    )
+    assert rc == 0, log[-4000:]
+    study = optuna.load_study(study_name="it-study", storage=f"sqlite:///{db}")
+    done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(done) == 3 and all(len(t.values) == 2 and 0 <= t.values[0] <= 1 for t in done)
+    assert len(study.best_trials) >= 1  # the Pareto front
+    assert (tmp_path / "run1" / "optimization_results.yaml").exists()
+    t1 = time.monotonic()
+
+    # A driver killed mid-batch leaves its trial RUNNING in the storage.
+    lost = study.ask({k: v for k, v in done[0].distributions.items()})
+    lost_params = dict(lost.params)
+
+    rc, log = finish(
+        driver(slurm_cluster, *common, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={tmp_path / 'run2'}"),
+        300,
+    )
+    assert rc == 0, log[-4000:]
+    study = optuna.load_study(study_name="it-study", storage=f"sqlite:///{db}")
+    by_state = {s: study.get_trials(states=(s,)) for s in optuna.trial.TrialState}
+    assert [t.number for t in by_state[optuna.trial.TrialState.FAIL]] == [lost.number]
+    complete = by_state[optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 4
+    (retry,) = [t for t in complete if t.number not in {d.number for d in done}]
+    assert retry.params == pytest.approx(lost_params) and retry.user_attrs["retry_of"] == lost.number
+    # only the lost trial ran again: one job in the second sweep
+    assert sorted(p.name for p in (tmp_path / "run2").iterdir() if p.name.isdigit()) == ["0"]
+    for array in slurm_jobs(tmp_path / "run1") + slurm_jobs(tmp_path / "run2"):
+        assert set(final_states(slurm_cluster, array).values()) == {"COMPLETED"}
+
+    runs = mlflow_runs(mlflow_server, "it-study")
+    assert sorted(int(r.data.tags["trial"]) for r in runs) == sorted(t.number for t in complete)
+    assert {r.data.tags["study"] for r in runs} == {"it-study"}
+    print(f"study: 3 trials {t1 - t0:.0f} s, resume with one retried trial {time.monotonic() - t1:.0f} s")
+
+
+@pytest.mark.integration
+def test_typo_fails_before_submission(slurm_cluster, tmp_path):
+    """A misspelt sweep param or experiment fails at once with one line naming it; nothing reaches SLURM."""
+    base = [f"hydra.sweep.dir={tmp_path / 'never'}", "hydra/launcher=slurm"]
+    rc, log = finish(
+        driver(
+            slurm_cluster,
+            *base,
+            "hydra/sweeper=optuna",
+            "sweep=branch_threshold_ratio",
+            f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
+            "guide.treshold=interval(0.8,2.0)",
+        ),
+        120,
+    )
+    assert rc != 0 and "guide.treshold" in log, log[-2000:]
+    rc, log = finish(
+        driver(
+            slurm_cluster,
+            *base,
+            "hydra/sweeper=optuna",
+            "sweep=branch_threshold_ratio",
+            f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
+            "guide.ratio=interval(0.5,0.1)",
+        ),
+        120,
+    )
+    assert rc != 0 and "sweep param guide.ratio: interval(0.5, 0.1) needs low < high" in log, log[-2000:]
+    rc, log = finish(driver(slurm_cluster, *base, "experiment=tabel1"), 120)
+    assert rc != 0 and "experiment/tabel1" in log, log[-2000:]
+    assert not (tmp_path / "never" / ".submitit").exists()
+
+
+@pytest.mark.integration
+def test_killed_job_is_reported_failed(slurm_cluster, tmp_path):
+    """SIGKILL to a running job's process (an OOM kill, say): the sweep ends with an error naming the job."""
+    sweep_dir = tmp_path / "kill"
+    proc = driver(
+        slurm_cluster,
+        "hydra/launcher=slurm",
+        "method=grpo",
+        f"hydra.sweep.dir={sweep_dir}",
+        "tracking.enabled=false",
+        *SHRINK,
+        "trainer.max_steps=500",
+    )
+    try:
+        job = wait_for(lambda: running_job(slurm_cluster, sweep_dir), 120, "the job to run", proc)
+        listing = subprocess.run(
+            ["scontrol", "listpids", job], env=slurm_cluster, capture_output=True, text=True
+        )
+        pids = [line.split()[0] for line in listing.stdout.splitlines()[1:] if line.strip()]
+        python = [
+            int(p)
+            for p in pids
+            if p.isdigit() and b"submitit.core._submit" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert python, f"no submitit process among {pids} of job {job}"
+        killed = time.monotonic()
+        for p in python:
+            os.kill(p, signal.SIGKILL)
+        rc, log = finish(proc, timeout=120)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0 and "failed" in log and job.split("_")[0] in log, log[-3000:]
+    assert elapsed < 90, f"the failure took {elapsed:.0f} s to be reported"
+    assert final_states(slurm_cluster, job.split("_")[0])[job] in {"FAILED", "CANCELLED", "NODE_FAIL"}
+    print(f"killed job reported failed after {elapsed:.0f} s")
+
+
+@pytest.mark.integration
+def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_path):
+    """USR2 (SLURM's preemption/timeout warning) after the first checkpoint: submitit requeues the job and it
+    continues from that checkpoint with resume=true, in the same MLflow run, instead of starting over."""
+    sweep_dir = tmp_path / "preempt"
+    proc = driver(
+        slurm_cluster,
+        "hydra/launcher=slurm",
+        "method=grpo",
+        f"hydra.sweep.dir={sweep_dir}",
+        f"tracking.uri={mlflow_server}",
+        "tracking.experiment=it-preempt",
+        *SHRINK,
+        "trainer.max_steps=12",
+        "trainer.save_steps=2",
+    )
+    try:
+        job = wait_for(lambda: running_job(slurm_cluster, sweep_dir), 120, "the job to run", proc)
+        wait_for(lambda: (sweep_dir / "0" / "rl" / "checkpoint-2").is_dir(), 180, "checkpoint-2", proc)
+        subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster, check=True)
+        # SLURM holds a requeued job until its begin time (about two minutes); let it start now instead.
+        wait_for(lambda: squeue(slurm_cluster, job) == "PENDING BeginTime", 60, "the requeued job", proc)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm_cluster, check=True)
+        rc, log = finish(proc, timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, log[-4000:]
+    out = sweep_dir / "0"
+    assert "resume=true" in (out / ".hydra" / "overrides.yaml").read_text()
+    steps = [e["step"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
+    assert steps == list(range(1, 13)), steps
+    submitit_log = "".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.*"))
+    assert "Caught signal SIGUSR2" in submitit_log and "requeued job 0" in submitit_log
+    (run,) = mlflow_runs(mlflow_server, "it-preempt")  # one run across both attempts
+    assert run.info.status == "FINISHED" and run.data.tags["method"] == "grpo"

@@ -1,0 +1,307 @@
+"""The evaluator: stored cells are reused only under identical settings, a killed evaluation resumes only
+the missing cells, results carry the full pass@k curve and the settings; and, end to end, ``sage-eval``
+gives the trainer's numbers, runs the real math suite, evaluates LoRA adapters and refuses rollout=vllm
+on a machine without CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import sage.evaluate as ev
+from sage.evaluate import Samples, evaluate_model
+from sage.rewards import grade
+from sage.testbed.tokenizer import build_tokenizer
+
+ROWS = {
+    "a": [{"id": f"a{i}", "problem": f"{i}+1=", "answer": str(i + 1)} for i in range(3)],
+    "b": [{"id": f"b{i}", "problem": f"{i}*2=", "answer": str(2 * i)} for i in range(2)],
+}
+HF = SimpleNamespace(use_vllm=False)
+
+
+def eval_cfg(**changes):
+    base = {"n_samples": 4, "ks": [1, 4], "seeds": [0, 1], "temperature": 1.0, "top_p": 1.0, "batch_size": 8}
+    return SimpleNamespace(**{**base, **changes})
+
+
+class FakeSampler:
+    """Sample j of row i is right when (i + j + seed) % 3 == 0: a known, seed-dependent matrix."""
+
+    def __init__(self):
+        self.calls: list[int] = []  # the seed of every sample() call
+        self.fail_on_call: int | None = None
+        self.opened = 0  # how many times a sampler (a model) was loaded
+
+    def sample(self, prompt_ids, s):
+        self.calls.append(s.seed)
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            raise KeyboardInterrupt  # the evaluation is killed here
+        out = [
+            [
+                f"<SOLUTION>{'RIGHT' if (i + j + s.seed) % 3 == 0 else 'wrong'}</SOLUTION>"
+                for j in range(s.n_samples)
+            ]
+            for i in range(len(prompt_ids))
+        ]
+        return Samples(out, n_tokens=0)
+
+
+class FakePool:
+    """In-process grading; RIGHT stands for the gold answer."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def grade_many(self, completions, golds):
+        return [grade(c.replace("RIGHT", g), g) for c, g in zip(completions, golds, strict=True)]
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> str:
+    """A folder with the testbed tokenizer: all the evaluator reads before it needs a sampler."""
+    folder = tmp_path / "ckpt"
+    build_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def sampler(monkeypatch) -> FakeSampler:
+    fake = FakeSampler()
+
+    def open_sampler(*args, **kwargs):
+        fake.opened += 1
+        return fake
+
+    monkeypatch.setattr(ev, "open_sampler", open_sampler)
+    monkeypatch.setattr(ev, "GradingPool", lambda workers: FakePool())
+    return fake
+
+
+def run(checkpoint, results_dir, cfg=None, rows=ROWS, **kw):
+    return evaluate_model(
+        checkpoint,
+        rows,
+        cfg or eval_cfg(),
+        chat=False,
+        max_new_tokens=kw.pop("max_new_tokens", 16),
+        results_dir=results_dir,
+        dtype=kw.pop("dtype", "float32"),
+        rollout=HF,
+    )
+
+
+def test_finished_cells_are_reused_without_loading_a_model(checkpoint, sampler, tmp_path):
+    first = run(checkpoint, tmp_path / "res")
+    assert sorted(sampler.calls) == [0, 0, 1, 1]  # 2 datasets x 2 seeds
+    # (i + j + seed) % 3 == 0 -> dataset "a", seed 0: rows 0..2 have 2, 1, 1 right of 4
+    assert first["a"]["correct"][0].sum(axis=1).tolist() == [2, 1, 1]
+    again = run(checkpoint, tmp_path / "res")
+    assert len(sampler.calls) == 4 and sampler.opened == 1  # nothing re-sampled, no model loaded
+    for name in ROWS:
+        assert again[name]["summary"] == first[name]["summary"]
+        for x, y in zip(again[name]["correct"], first[name]["correct"], strict=True):
+            assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cfg": eval_cfg(n_samples=5)},
+        {"cfg": eval_cfg(temperature=0.3)},
+        {"cfg": eval_cfg(top_p=0.95)},
+        {"max_new_tokens": 32},
+        {"dtype": "bfloat16"},
+        {"template": True},
+    ],
+    ids=["n", "temperature", "top_p", "max_length", "dtype", "template"],
+)
+def test_cells_are_not_reused_under_other_settings(checkpoint, sampler, tmp_path, monkeypatch, change):
+    run(checkpoint, tmp_path / "res")
+    assert len(sampler.calls) == 4
+    change = dict(change)
+    if change.pop("template", False):  # another system prompt / template renders other prompts
+        monkeypatch.setattr(ev, "make_prompt", lambda problem, chat: f"Solve: {problem}")
+    run(checkpoint, tmp_path / "res", **change)
+    assert len(sampler.calls) == 8
+    cells = sorted(p.name for p in (tmp_path / "res" / "a").iterdir())
+    assert len(cells) == 4  # the first settings' cells are kept beside the new ones, never mixed
+
+
+def test_a_changed_checkpoint_is_resampled(checkpoint, sampler, tmp_path):
+    run(checkpoint, tmp_path / "res")
+    (Path(checkpoint) / "model.safetensors").write_bytes(b"new weights")
+    run(checkpoint, tmp_path / "res")
+    assert len(sampler.calls) == 8
+
+
+def test_a_killed_evaluation_resumes_only_the_missing_cells(checkpoint, sampler, tmp_path):
+    sampler.fail_on_call = 2  # killed while sampling dataset "a", seed 1
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint, tmp_path / "res")
+    assert [p.name.endswith("seed0") for p in (tmp_path / "res" / "a").iterdir()] == [True]
+    sampler.fail_on_call = None
+    sampler.calls.clear()
+    resumed = run(checkpoint, tmp_path / "res")
+    assert sampler.calls == [1, 0, 1]  # a/seed1, b/seed0, b/seed1; a/seed0 was finished
+    fresh = run(checkpoint, tmp_path / "fresh")
+    for name in ROWS:
+        assert resumed[name]["summary"] == fresh[name]["summary"]
+
+
+def test_results_json_holds_full_curves_and_settings(checkpoint, sampler, tmp_path):
+    run(checkpoint, tmp_path / "res")
+    saved = json.loads((tmp_path / "res" / "results.json").read_text())
+    a = saved["datasets"]["a"]
+    assert a["curve"]["k"] == [1, 2, 3, 4] and len(a["curve"]["per_seed"]) == 2
+    # pass@1 is the mean correctness over all problems and samples; pass@n: any of the n is right
+    matrices = [np.load(next((tmp_path / "res" / "a").glob(f"*_seed{s}")) / "correct.npy") for s in (0, 1)]
+    assert a["curve"]["mean"][0] == pytest.approx(np.mean([m.mean() for m in matrices]))
+    assert a["summary"]["pass@4"] == pytest.approx(np.mean([m.any(axis=1).mean() for m in matrices]))
+    assert a["settings"]["n_samples"] == 4 and a["settings"]["temperature"] == 1.0
+    assert a["settings"]["seeds"] == [0, 1] and a["n_problems"] == 3
+
+
+def test_local_benchmark_copies_default_next_to_the_repo(monkeypatch):
+    monkeypatch.delenv("SAGE_MATH_DATA", raising=False)
+    repo = Path(__file__).resolve().parents[1]
+    assert Path(ev.math_data("aime24.jsonl")) == repo.parent / "shared/data/math/aime24.jsonl"
+    monkeypatch.setenv("SAGE_MATH_DATA", "/data")
+    assert ev.math_data("amc23.jsonl") == "/data/amc23.jsonl"
+
+
+def sage_eval(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-m", "sage.eval_cli", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if check:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_vllm_without_cuda_stops_with_one_line(tmp_path):
+    r = sage_eval("rollout=vllm", f"output_dir={tmp_path}", check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "error: rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
+    )
+    assert not (tmp_path / "results.json").exists()
+
+
+# ----------------------------------------------------------------------------------------- end to end
+SHRINK = ["eval.n_samples=4", "eval.ks=[1,4]", "eval.limit=6"]
+
+
+@pytest.mark.slow
+def test_sage_eval_gives_the_trainers_numbers(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sage.train",
+            "trainer.max_steps=2",
+            "trainer.prompts_per_step=4",
+            "trainer.num_generations=4",
+            *SHRINK,
+            f"output_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    trained = json.loads((out / "metrics.json").read_text())
+    # a fresh output_dir: sage-eval samples again rather than reading the trainer's cells
+    r = sage_eval(f"checkpoint={out / 'final'}", *SHRINK, f"output_dir={tmp_path / 'again'}")
+    assert "| final | arith_heldout |" in r.stdout
+    summary = json.loads((tmp_path / "again" / "results.json").read_text())["datasets"]["arith_heldout"][
+        "summary"
+    ]
+    assert summary == {
+        k.removeprefix("trained/arith_heldout/"): v
+        for k, v in trained.items()
+        if k.startswith("trained/arith")
+    }
+    cells = [
+        next((d / "arith_heldout").glob("*_seed0")) for d in (out / "eval" / "trained", tmp_path / "again")
+    ]
+    assert cells[0].name == cells[1].name  # the same key: same checkpoint files and settings
+    assert np.array_equal(*(np.load(c / "correct.npy") for c in cells))
+    assert json.loads((cells[0] / "completions.json").read_text()) == json.loads(
+        (cells[1] / "completions.json").read_text()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(ev.math_data("aime24.jsonl")).is_file(), reason="no local benchmark copies")
+def test_math_suite_runs_on_the_tiny_model(tmp_path):
+    r = sage_eval(
+        "eval=math_suite",
+        "eval.limit=2",
+        "eval.n_samples=2",
+        "eval.ks=[1,2]",
+        "eval.seeds=[0]",
+        "eval.max_new_tokens=8",
+        f"output_dir={tmp_path}",
+    )
+    saved = json.loads((tmp_path / "results.json").read_text())["datasets"]
+    assert set(saved) == {"aime", "amc23", "math500_l5", "minerva"}
+    for name, result in saved.items():
+        assert result["n_problems"] == 2 and result["curve"]["k"] == [1, 2], name
+        assert result["settings"]["temperature"] == 0.3 and result["settings"]["top_p"] == 0.95
+        assert f"| base | {name} |" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_lora_adapter_is_merged_onto_its_base_and_evaluated(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sage.testbed.model import build_tiny_model
+
+    base = build_tiny_model()
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():  # B is zero at init: give the adapter an effect
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(base).save_pretrained(adapter)
+    expected = peft_model.merge_and_unload().state_dict()
+
+    checkpoint = ev.Checkpoint.resolve(str(adapter))
+    assert checkpoint.adapter == str(adapter) and checkpoint.base == base
+    loaded = ev.HFSampler.load(
+        checkpoint, AutoTokenizer.from_pretrained(base), "float32", 8
+    ).model.state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(loaded[q], expected[q]) and not torch.allclose(
+        loaded[q], AutoModelForCausalLM.from_pretrained(base).state_dict()[q]
+    )
+
+    sage_eval(f"checkpoint={adapter}", "eval.n_samples=2", "eval.ks=[1,2]", "eval.limit=4")
+    saved = json.loads((adapter / "eval" / "results.json").read_text())
+    assert saved["checkpoint"] == str(adapter.resolve())
+    assert saved["datasets"]["arith_heldout"]["n_problems"] == 4

@@ -1,0 +1,356 @@
+"""sage-report: tables from hand-made frames (unit tests), and every table and figure built from a throwaway
+MLflow store filled by real tiny testbed runs, checked against the values MLflow recorded (slow)."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import load, patterns, report, tables
+from analysis.load import ReportError
+from analysis.tables import Stat, stat
+from sage.testbed.task import make_problems, teacher_completion
+
+
+# ------------------------------------------------------------------ pure functions
+def test_stat_cells_say_how_many_seeds():
+    assert stat([0.4, 0.5], asked=2).text() == "0.450 ± 0.071"  # std ddof=1: sqrt(0.005) = 0.0707
+    assert stat([0.4], asked=1).text() == "0.400 ± —"  # one seed: no std, not 0
+    assert stat([0.4, 0.5], asked=3).text() == "0.450 ± 0.071 (2/3 seeds)"
+    assert stat([], asked=3).text() == "— (0/3 seeds)"
+    assert stat([0.4, float("nan")], asked=2) == Stat(0.4, None, 1, 2)  # NaN = not measured
+
+
+def test_seed_table_leaves_out_unasked_seeds_and_marks_missing_ones():
+    frame = pd.DataFrame(
+        [("A", 0, "x", 1.0), ("A", 1, "x", 3.0), ("A", 7, "x", 100.0), ("B", 0, "x", 2.0)],
+        columns=tables.SEED_FRAME,
+    )
+    t = tables.seed_table(frame, [0, 1], ["x"], name="t", title="t")
+    assert t.cell("A", "x") == Stat(2.0, math.sqrt(2.0), 2, 2)  # seed 7 was not asked for
+    assert t.cell("B", "x").text() == "2.000 ± — (1/2 seeds)"
+
+
+def test_ablation_average_is_per_seed_over_all_datasets():
+    rows = [
+        # row, seed, run, dataset, k, value
+        ("GRPO", 0, "r0", "a", 1, 0.2), ("GRPO", 0, "r0", "a", 8, 0.6),
+        ("GRPO", 0, "r0", "b", 1, 0.4), ("GRPO", 0, "r0", "b", 8, 0.8),
+        ("GRPO", 1, "r1", "a", 1, 0.4), ("GRPO", 1, "r1", "a", 8, 0.7),
+        # seed 1 has no dataset b: it has no average (never an average over a subset of datasets)
+    ]  # fmt: skip
+    meas = pd.DataFrame(rows, columns=["row", "seed", "run_id", "dataset", "k", "value"])
+    t = tables.ablation_table(meas, [0, 1], {"a": 8, "b": 8})
+    assert t.columns == ["a pass@1", "a pass@8", "b pass@1", "b pass@8", "avg pass@1", "avg pass@k"]
+    assert t.cell("GRPO", "a pass@1") == Stat(pytest.approx(0.3), pytest.approx(math.sqrt(0.02)), 2, 2)
+    assert t.cell("GRPO", "avg pass@1") == Stat(pytest.approx(0.3), None, 1, 2)  # (0.2 + 0.4) / 2
+    assert t.cell("GRPO", "avg pass@k").text() == "0.700 ± — (1/2 seeds)"  # (0.6 + 0.8) / 2
+    md, tex, csv = tables.to_markdown(t), tables.to_latex(t), tables.to_csv(t)
+    assert "| GRPO | 0.300 ± 0.141 | 0.650 ± 0.071 | 0.400 ± — (1/2 seeds) |" in md
+    assert r"0.300 $\pm$ 0.141" in tex and r"avg pass@1" in tex
+    assert "GRPO,avg pass@k,0.7,,1,2,0.700 ± — (1/2 seeds)" in csv
+
+
+def test_grid_table_rows_thresholds_columns_ratios():
+    rows = [
+        (0, "0.8", "0.1", "d", 1, 0.5), (1, "0.8", "0.1", "d", 1, 0.7), (0, "0.8", "0.1", "d", 4, 0.9),
+        (0, "1.2", "0.3", "d", 1, 0.4),
+    ]  # fmt: skip
+    meas = pd.DataFrame(rows, columns=["seed", "threshold", "ratio", "dataset", "k", "value"])
+    t = tables.grid_table(meas, [0, 1], "d", 4, name="g", title="g")
+    assert [r for r, _ in t.rows] == ["threshold=0.8", "threshold=1.2"]
+    assert t.columns == ["ratio=0.1 pass@1", "ratio=0.1 pass@4", "ratio=0.3 pass@1", "ratio=0.3 pass@4"]
+    assert t.cell("threshold=0.8", "ratio=0.1 pass@1").mean == pytest.approx(0.6)
+    assert t.cell("threshold=1.2", "ratio=0.1 pass@1").text() == "— (0/2 seeds)"
+
+
+def test_thirds_of_training():
+    # array_split of 7 steps: [1, 2, 3], [4, 5], [6, 7] -> means 2, 4.5, 6.5
+    assert tables.thirds([1, 2, 3, 4, 5, 6, 7]) == (2.0, 4.5, 6.5)
+    assert tables.thirds([1, 2]) is None  # a third would be empty
+
+
+def test_method_labels_and_rows():
+    p: dict[str, str] = {"trainer.max_steps": "100"}
+    assert load.method_label({"method": "grpo_nokl"}, p, "r") == "GRPO w/o KL"
+    assert load.method_label({"method": "my_variant"}, p, "r") == "my_variant"
+    derived = {"algorithm": "grpo", "divergence": "forward_kl", "guide": "none"}
+    assert load.method_label(derived, p, "r") == "GRPO + forward KL"
+    assert (
+        load.method_label({**derived, "divergence": "reverse_kl", "guide": "branch"}, p, "r")
+        == "GRPO + Branch"
+    )
+    assert load.method_label({"algorithm": "dr_grpo", "divergence": "none", "guide": "none"}, p, "r") == (
+        "Dr.GRPO w/o KL"
+    )
+    assert load.method_label({}, {"trainer.max_steps": "0"}, "r") == "base"
+    with pytest.raises(ReportError, match="run r has no 'method' tag and no divergence/guide tag"):
+        load.method_label({"algorithm": "grpo"}, p, "r")
+    frame = pd.DataFrame(
+        {
+            "method": ["GRPO", "GRPO", "GRPO + Branch", "GRPO + Branch", "GRPO + Branch"],
+            "params": [
+                {"seed": "0", "divergence.beta": "0.05", "output_dir": "/a"},
+                {"seed": "1", "divergence.beta": "0.05", "output_dir": "/b"},
+                {"seed": "0", "guide.ratio": "0.3", "tracking.run_name": "x"},
+                {"seed": "1", "guide.ratio": "0.3", "tracking.run_name": "y"},
+                {"seed": "0", "guide.ratio": "0.5", "tracking.run_name": "z"},
+            ],
+        }
+    )
+    assert list(load.assign_rows(frame)) == [
+        "GRPO", "GRPO", "GRPO + Branch [guide.ratio=0.3]", "GRPO + Branch [guide.ratio=0.3]",
+        "GRPO + Branch [guide.ratio=0.5]",
+    ]  # fmt: skip
+
+
+def test_pattern_frequency_formula_by_hand():
+    rx = patterns.PATTERNS["constraint setup"]
+    completions = [
+        ["Let x = 3, so ...", "x is 3", "wrong"],  # 2 correct, 1 with the pattern: 1/2
+        ["Let y = 1", "nothing", "no"],  # no correct sample: not one of the N problems
+        ["We denote by n the count", "no", "no"],  # 1 correct, with the pattern: 1/1
+    ]
+    correct = np.array([[True, True, False], [False, False, False], [True, False, False]])
+    assert patterns.pattern_frequency(completions, correct, rx) == pytest.approx((0.5 + 1.0) / 2)
+    assert math.isnan(patterns.pattern_frequency(completions, np.zeros((3, 3), bool), rx))
+    assert patterns.PATTERNS["structural reasoning"].search("a number of the form 4k+1")
+    assert patterns.PATTERNS["structural reasoning"].search("we decompose the sum into two parts")
+    assert patterns.PATTERNS["proof by contradiction"].search("Assume, for contradiction, that p is even")
+    assert not patterns.PATTERNS["constraint setup"].search("<start_working_out>12*3=36 36+5=41")
+
+
+def test_strategy_mix_of_teacher_samples():
+    rng = random.Random(0)
+    rows = [
+        [teacher_completion(p["a"], p["b"], p["c"], rng)[0] for _ in range(8)]
+        for p in make_problems("train", 20, 0)
+    ]
+    mix = patterns.strategy_mix(rows + [["garbage"]])
+    assert set(mix) == {"direct", "split", "round", "other"}
+    assert sum(mix.values()) == pytest.approx(1.0) and mix["other"] == pytest.approx(1 / 161)
+    assert mix["direct"] > mix["split"] > 0  # the teacher's skew (0.8 / 0.15 / 0.05)
+
+
+# ------------------------------------------------------------------ real runs
+SHRINK = [
+    "trainer.max_steps=3",
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "eval.n_samples=4",
+    "eval.ks=[1,4]",
+    "eval.limit=6",
+    "tracking.experiment=report",
+]
+PERIODIC = ["eval.every_steps=1", "eval.every_n_samples=2"]  # Figure 2's held-out curve, GRPO runs only
+RUNS = {
+    "g0": ["seed=0", "divergence=reverse_kl", "guide=none", *PERIODIC],
+    "g1": ["seed=1", "divergence=reverse_kl", "guide=none", *PERIODIC],
+    "b0": ["seed=0", "guide=branch", "guide.threshold=0.5"],
+    "b1": ["seed=1", "guide=branch", "guide.threshold=0.5"],
+    "r0": ["seed=0", "guide=branch", "guide.threshold=0.5", "guide.ratio=0.5"],  # the grid's second cell
+}
+GRPO, BRANCH, BRANCH5 = "GRPO", "GRPO + Branch [guide.ratio=0.3]", "GRPO + Branch [guide.ratio=0.5]"
+DS = "arith_heldout"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Five real tiny runs (two at a time on two cores) in a private SQLite store."""
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("report_store")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    # created here, not by the first two runs at once: two processes migrating a new SQLite store race
+    client.create_experiment("report", artifact_location=(root / "mlartifacts").as_uri())
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(name):
+        cmd = [sys.executable, "-m", "sage.train", *SHRINK, f"output_dir={root / name}", *RUNS[name]]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+        return name, (root / name / "mlflow_run_id").read_text()
+
+    with ThreadPoolExecutor(2) as pool:
+        ids = dict(pool.map(run, RUNS))
+    return {"uri": uri, "client": client, "root": root, "ids": ids}
+
+
+def logged(store, name, key):
+    return store["client"].get_run(store["ids"][name]).data.metrics[key]
+
+
+def history(store, name, key):
+    return [
+        m.value
+        for m in sorted(store["client"].get_metric_history(store["ids"][name], key), key=lambda m: m.step)
+    ]
+
+
+def sage_report(store, *args, out=None):
+    """The installed console script, as users run it."""
+    out = out or store["root"] / "report" / "testbed.md"
+    argv = ["--tracking-uri", store["uri"], "--out", str(out), *args]
+    script = Path(sys.executable).parent / "sage-report"
+    r = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def report_main(store, capsys, *args, out=None):
+    """In-process (faster) run of the same entry point: (exit code, stderr, report path)."""
+    out = out or store["root"] / "report_main" / "r.md"
+    code = report.main(["--tracking-uri", store["uri"], "--out", str(out), *args])
+    return code, capsys.readouterr().err, out
+
+
+@pytest.fixture(scope="module")
+def built(store):
+    out = store["root"] / "report" / "testbed.md"
+    return report.build(
+        store["client"],
+        store["uri"],
+        experiment="report",
+        out=out,
+        figures_dir=out.parent / "figures",
+        tables_dir=out.parent / "tables",
+    )
+
+
+@pytest.mark.slow
+def test_ablation_table_equals_the_logged_metrics(store, built):
+    t = built.tables["ablation"]
+    assert [r for r, _ in t.rows] == ["base", GRPO, BRANCH, BRANCH5]
+    assert t.columns == [f"{DS} pass@1", f"{DS} pass@4"]  # default k: the largest logged
+    for row, runs in ((GRPO, ["g0", "g1"]), (BRANCH, ["b0", "b1"])):
+        for k in (1, 4):
+            values = [logged(store, r, f"eval/trained/{DS}/pass_at_{k}") for r in runs]
+            cell = t.cell(row, f"{DS} pass@{k}")
+            assert (cell.mean, cell.std, cell.n, cell.asked) == pytest.approx(
+                (np.mean(values), np.std(values, ddof=1), 2, 2)
+            )
+    cell = t.cell(BRANCH5, f"{DS} pass@1")
+    assert cell.mean == pytest.approx(logged(store, "r0", f"eval/trained/{DS}/pass_at_1"))
+    assert cell.text().endswith("± — (1/2 seeds)")
+    base = [logged(store, r, f"eval/base/{DS}/pass_at_1") for r in RUNS]
+    assert len(set(base)) == 1 and t.cell("base", f"{DS} pass@1").mean == pytest.approx(base[0])
+    csv = (store["root"] / "report" / "tables" / "ablation.csv").read_text()
+    assert f"{GRPO},{DS} pass@1,{t.cell(GRPO, f'{DS} pass@1').mean!r}," in csv
+    assert (store["root"] / "report" / "tables" / "ablation.tex").read_text().startswith(r"\begin{tabular}")
+
+
+@pytest.mark.slow
+def test_grid_grad_norm_patterns_strategies(store, built):
+    grid = built.tables[f"grid_grpo___branch_{DS}"]
+    assert [r for r, _ in grid.rows] == ["threshold=0.5"]
+    assert grid.cell("threshold=0.5", "ratio=0.5 pass@4").mean == pytest.approx(
+        logged(store, "r0", f"eval/trained/{DS}/pass_at_4")
+    )
+    pair = [logged(store, r, f"eval/trained/{DS}/pass_at_1") for r in ("b0", "b1")]
+    assert grid.cell("threshold=0.5", "ratio=0.3 pass@1").mean == pytest.approx(np.mean(pair))
+
+    grad = built.tables["grad_norm_thirds"]
+    thirds = {r: tables.thirds(history(store, r, "train/grad_norm")) for r in ("g0", "g1")}
+    assert all(len(history(store, r, "train/grad_norm")) == 3 for r in ("g0", "g1"))
+    for i, col in enumerate(tables.THIRDS):
+        assert grad.cell(GRPO, col).mean == pytest.approx(np.mean([thirds["g0"][i], thirds["g1"][i]]))
+
+    mix = built.tables["strategy_mix"]
+    for row, cells in mix.rows:
+        assert sum(c.mean for c in cells) == pytest.approx(1.0), row
+    pat = built.tables["reasoning_patterns"]
+    assert pat.columns == list(patterns.PATTERNS)
+    assert all(c.mean == 0.0 for _, cells in pat.rows for c in cells if c.n)  # bare arithmetic: no patterns
+
+
+@pytest.mark.slow
+def test_figures_perplexity_and_report_file(store, built):
+    for name in ("passk_arith_heldout", "reward_vs_heldout", "perplexity"):
+        assert built.figures[name].stat().st_size > 1000, name
+    md = built.markdown
+    assert "Provenance: experiment `report` in `sqlite:///" in md and "5 finished sage-train runs used" in md
+    assert "](figures/passk_arith_heldout.png)" in md and "## Branch threshold x ratio (Table 6)" in md
+    ppl = built.tables["perplexity"]
+    for _, cells in ppl.rows:
+        assert int(cells[0]) > 0 and 1.0 <= float(cells[1])  # a perplexity is at least 1
+
+    # the batched perplexity equals the one of a single unpadded sequence, computed by hand
+    import torch
+
+    from analysis.perplexity import completion_perplexities, load_base
+
+    path = store["client"].get_run(store["ids"]["g0"]).data.tags["base_model"]
+    model, tok = load_base(path)
+    completions = json.loads(
+        open(
+            store["client"].download_artifacts(
+                store["ids"]["g0"], f"eval/trained/trained_{DS}_completions.json", str(store["root"] / "dl")
+            )
+        ).read()  # fmt: skip
+    )
+    prompts = [r["problem"] for r in make_problems("heldout", 200, 0)[:2]]
+    texts = [completions[0][0], completions[1][0]]
+    batched = completion_perplexities(model, tok, prompts, texts)
+    p_ids, c_ids = (
+        tok(prompts[1], add_special_tokens=False)["input_ids"],
+        tok(texts[1], add_special_tokens=False)["input_ids"],
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0]
+    logp = torch.log_softmax(logits, -1)
+    nll = -sum(logp[len(p_ids) + t - 1, c].item() for t, c in enumerate(c_ids)) / len(c_ids)
+    assert batched[1] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
+    r, out = sage_report(store, "--experiment", "report", "--seeds", "0,1,2", "--perplexity-max", "0")
+    assert r.returncode == 0, r.stderr
+    md = out.read_text()
+    row = next(line for line in md.splitlines() if line.startswith(f"| {GRPO} |"))
+    assert row.count("(2/3 seeds)") == 2
+
+    client = store["client"]
+    client.create_experiment("empty")
+    code, err, _ = report_main(store, capsys, "--experiment", "empty")
+    assert code == 2 and err.strip() == "sage-report: experiment 'empty' has no runs"
+    code, err, _ = report_main(store, capsys, "--experiment", "nope")
+    assert code == 2 and "no experiment 'nope' in this store (experiments there:" in err
+    code, err, _ = report_main(store, capsys, "--tracking-uri", f"sqlite:///{store['root'] / 'absent.db'}")
+    assert code == 2 and "no MLflow store at" in err
+
+    # a run that logged no evaluation (e.g. eval.at_end=false): alone, a one-line error; among others,
+    # its row is marked as missing a seed and the notes name the metrics it lacks
+    exp = client.create_experiment("no_eval")
+    run = client.create_run(exp, tags={"sage.kind": "train", "seed": "2", "method": "grpo"})
+    client.log_metric(run.info.run_id, "train/grad_norm", 0.1, step=1)
+    client.set_terminated(run.info.run_id)
+    code, err, _ = report_main(store, capsys, "--experiment", "no_eval")
+    assert code == 2
+    assert err.strip() == (
+        "sage-report: none of the 1 runs logged eval/<base|trained>/<dataset>/pass_at_<k> metrics "
+        "(trained with eval.at_end=false?): nothing to tabulate"
+    )
+    ids = ",".join([store["ids"]["g0"], store["ids"]["g1"], run.info.run_id])
+    code, err, out = report_main(store, capsys, "--run-ids", ids, "--perplexity-max", "0")
+    assert code == 0, err
+    md = out.read_text()
+    assert (
+        f"{GRPO} seed 2 (run {run.info.run_id}) lacks "
+        f"eval/trained/{DS}/pass_at_1, eval/trained/{DS}/pass_at_4" in md
+    )
+    assert next(line for line in md.splitlines() if line.startswith(f"| {GRPO} |")).count("(2/3 seeds)") == 2
+
+
+@pytest.mark.slow
+def test_figure_2_uses_the_periodic_held_out_accuracy(store, built):
+    assert len(history(store, "g0", f"eval/periodic/{DS}/pass_at_1")) == 3  # eval.every_steps=1, 3 steps
+    assert not any("eval/periodic" in n for n in built.notes)
