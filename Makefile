@@ -46,3 +46,27 @@ format: install
 
 clean:  ## remove outputs (keeps the model cache in ~/.cache/sage)
 	rm -rf outputs multirun .pytest_cache
+
+# The testbed study of issue 6: Table 1 (7 methods x 3 seeds) and Table 6 (threshold x ratio, 2 seeds),
+# logged to one MLflow store, then docs/results/testbed.md built by sage-report alone.
+RESULTS ?= docs/results
+REPRO ?= outputs/reproduce
+REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(CURDIR)/$(REPRO)/mlflow.db
+REPRO_COMMON = hydra/launcher=local eval.every_steps=20
+
+.PHONY: reproduce-testbed reproduce-runs reproduce-report
+reproduce-testbed: install  ## issue 6: run the Table 1 / Table 6 grids on the testbed and write docs/results/testbed.md
+	$(MAKE) reproduce-runs reproduce-report
+
+reproduce-runs:
+	mkdir -p $(REPRO) $(RESULTS)
+	$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_entropy.md
+	$(REPRO_ENV) $(VENV)/bin/sage-train -m experiment=table1 seed=1,2,3 $(REPRO_COMMON) tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1
+	$(REPRO_ENV) $(VENV)/bin/sage-train -m experiment=table6 seed=1,2 guide.threshold=0.2,0.3,0.5 $(REPRO_COMMON) tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
+
+reproduce-report:
+	$(REPRO_ENV) $(VENV)/bin/sage-report --experiment testbed-table6 --seeds 1,2 --k 64 --perplexity-max 0 \
+	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6
+	$(REPRO_ENV) $(VENV)/bin/sage-report --experiment testbed-table1 --seeds 1,2,3 --k 64 --extra-k 8 \
+	  --include $(RESULTS)/testbed_entropy.md --include $(RESULTS)/testbed_table6.md \
+	  --include $(RESULTS)/reading.md --out $(RESULTS)/testbed.md

@@ -268,6 +268,8 @@ def build(
     tables_dir: Path,
     perplexity_cap: int = 2000,
     digits: int = 3,
+    extra_ks: Sequence[int] = (),
+    includes: Sequence[Path] = (),
 ) -> Report:
     sel = select(client, experiment, run_ids, filter_string, seeds)
     runs, asked = sel.runs, sel.seeds
@@ -296,6 +298,10 @@ def build(
         sections.append(f"## {heading}\n\n{caption}\n\n{tables.to_markdown(t, digits)}\n")
 
     add(tables.ablation_table(meas, asked, ks), "Methods (Tables 1, 3, 4, 9)")
+    for kx in extra_ks:  # the same table at other k (e.g. Table 1 at k = 8 beside k = 64)
+        t = tables.ablation_table(meas, asked, {ds: kx for ds in ks})
+        t.name = f"ablation_k{kx}"
+        add(t, f"Methods at pass@{kx}")
     grids = grid_tables(runs, meas[meas["label"] == "trained"], asked, ks)
     for g in grids:
         add(g, "Branch threshold x ratio (Table 6)")
@@ -400,7 +406,9 @@ def build(
         "asked, the mean is over those present.\n"
     )
     note_text = "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""
-    markdown = head + "\n" + "\n".join(sections) + note_text
+    # Included files (another sage-report, a measurement, a written reading) follow verbatim.
+    included = "".join("\n" + Path(f).read_text() for f in includes)
+    markdown = head + "\n" + "\n".join(sections) + note_text + included
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown)
     return Report(markdown, made, figs, notes)
@@ -425,6 +433,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tables-dir", type=Path, default=None, help="default: <out dir>/tables")
     p.add_argument("--perplexity-max", type=int, default=2000, help="samples scored per run; 0: skip")
     p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--extra-k", default="", help="also tabulate methods at these k, e.g. 8 (comma-separated)")
+    p.add_argument(
+        "--include", type=Path, action="append", default=[], help="Markdown file appended verbatim"
+    )
     return p.parse_args(argv)
 
 
@@ -435,6 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
     except ValueError:
         print(f"sage-report: --seeds takes integers separated by commas, not {args.seeds!r}", file=sys.stderr)
+        return 2
+    missing = [str(f) for f in args.include if not Path(f).is_file()]
+    if missing:
+        print(f"sage-report: --include file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
         client, uri = load.open_store(args.tracking_uri)
@@ -451,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tables_dir=args.tables_dir or args.out.parent / "tables",
             perplexity_cap=args.perplexity_max,
             digits=args.digits,
+            extra_ks=[int(x) for x in args.extra_k.split(",") if x.strip()],
+            includes=args.include,
         )
     except ReportError as e:
         print(f"sage-report: {e}", file=sys.stderr)
