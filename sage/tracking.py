@@ -195,6 +195,26 @@ def experiment_id(client, name: str, uri: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+def open_store(uri: str, experiment: str, attempts: int = 6):
+    """(client, experiment id). The parallel jobs of a sweep may all open a new SQLite store at once, and
+    MLflow's schema creation is not safe under that race (one job fails with 'duplicate column'); the
+    losers retry once the winner has created the schema."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    for attempt in range(attempts):
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            return client, experiment_id(client, experiment, uri)
+        except Exception as e:  # sqlalchemy/alembic errors of the schema race have many types
+            if attempt == attempts - 1:
+                raise
+            log.warning("MLflow store %s not ready (%s: %s); retrying", redact(uri), type(e).__name__, e)
+            time.sleep(1.0 + attempt)
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]:
     """Open (or re-open, for a resumed output folder) the MLflow run of ``out``; ``kind`` is train or eval.
@@ -202,11 +222,8 @@ def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]
     if not cfg.tracking.enabled:
         yield None
         return
-    from mlflow.tracking import MlflowClient
-
     uri = resolve_uri(cfg.tracking.uri)
-    client = MlflowClient(tracking_uri=uri)
-    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
+    client, exp_id = open_store(uri, cfg.tracking.experiment)
     id_file = out / RUN_ID_FILE
     resumed = id_file.exists()
     params = flatten(OmegaConf.to_container(cfg, resolve=True))

@@ -1,0 +1,26 @@
+"""Tracking helpers: secrets never reach MLflow, and parallel jobs opening a fresh SQLite store all succeed."""
+
+import subprocess
+import sys
+
+from sage.tracking import flatten, metric_key, redact
+
+
+def test_redact_and_flatten_drop_secrets():
+    assert redact("postgresql+psycopg://optuna:hunter2@db:5432/x") == "postgresql+psycopg://***@db:5432/x"
+    assert redact("https://host/path") == "https://host/path"
+    flat = flatten({"a": {"api_key": "k", "b": [1, 2]}, "hf_token": "t", "uri": "http://u:p@h"})
+    assert flat == {"a.b": "[1, 2]", "uri": "http://***@h"}
+    assert metric_key("eval/trained/x/pass@64") == "eval/trained/x/pass_at_64"
+
+
+def test_parallel_jobs_open_a_fresh_sqlite_store(tmp_path):
+    """MLflow's schema creation races when several sweep jobs start on a new store at once."""
+    code = (
+        "import sys; from sage.tracking import open_store; "
+        f"print(open_store('sqlite:///{tmp_path}/m.db', 'exp')[1])"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(set(outs)) == 1  # one experiment, created once
