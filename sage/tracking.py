@@ -195,24 +195,23 @@ def experiment_id(client, name: str, uri: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def open_store(uri: str, experiment: str, attempts: int = 6):
+def open_store(uri: str, experiment: str):
     """(client, experiment id). The parallel jobs of a sweep may all open a new SQLite store at once, and
-    MLflow's schema creation is not safe under that race (one job fails with 'duplicate column'); the
-    losers retry once the winner has created the schema."""
-    import time
-
+    MLflow's schema creation is not safe under that race (duplicate columns, a leftover alembic table that
+    breaks the store for good), so opening a SQLite store is serialised by a lock file beside it."""
     from mlflow.tracking import MlflowClient
 
-    for attempt in range(attempts):
-        try:
-            client = MlflowClient(tracking_uri=uri)
-            return client, experiment_id(client, experiment, uri)
-        except Exception as e:  # sqlalchemy/alembic errors of the schema race have many types
-            if attempt == attempts - 1:
-                raise
-            log.warning("MLflow store %s not ready (%s: %s); retrying", redact(uri), type(e).__name__, e)
-            time.sleep(1.0 + attempt)
-    raise AssertionError("unreachable")
+    if not uri.startswith("sqlite:///"):
+        client = MlflowClient(tracking_uri=uri)
+        return client, experiment_id(client, experiment, uri)
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=uri)
+        return client, experiment_id(client, experiment, uri)
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Tracking helpers: secrets never reach MLflow, and parallel jobs opening a fresh SQLite store all succeed."""
+"""Tracking helpers: no secret reaches MLflow; parallel jobs opening a fresh SQLite store all succeed."""
 
 import subprocess
 import sys
@@ -20,7 +20,11 @@ def test_parallel_jobs_open_a_fresh_sqlite_store(tmp_path):
         "import sys; from sage.tracking import open_store; "
         f"print(open_store('sqlite:///{tmp_path}/m.db', 'exp')[1])"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=1)
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    outs = [out.strip() for out, _ in results]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in results]
     assert len(set(outs)) == 1  # one experiment, created once
