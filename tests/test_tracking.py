@@ -20,9 +20,9 @@ def test_parallel_jobs_open_a_fresh_sqlite_store(tmp_path):
         "import sys; from sage.tracking import open_store; "
         f"print(open_store('sqlite:///{tmp_path}/m.db', 'exp')[1])"
     )
+    pipe = subprocess.PIPE
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=1)
-        for _ in range(3)
+        subprocess.Popen([sys.executable, "-c", code], stdout=pipe, stderr=pipe, text=True) for _ in range(3)
     ]
     results = [p.communicate(timeout=300) for p in procs]
     outs = [out.strip() for out, _ in results]
