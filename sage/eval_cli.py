@@ -26,7 +26,16 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from sage.config import ConfigError, EvalConfig, ModelConfig, RolloutConfig, build, register_configs
+from sage.config import (
+    ConfigError,
+    EvalConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrackingConfig,
+    build,
+    register_configs,
+)
+from sage.tracking import metric_key, start_run
 from sage.train import CONF_DIR, base_results_dir, format_table
 
 log = logging.getLogger("sage.eval")
@@ -43,6 +52,7 @@ class EvaluateConfig:
     output_dir: str | None = field(
         default=None, metadata={"help": "None: <checkpoint>/eval, or sage-train's base-model cache folder"}
     )
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 register_configs()
@@ -74,16 +84,26 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         default_dir = Path(model_path) / "eval"
         label = Path(model_path).name
     results_dir = Path(cfg.output_dir).resolve() if cfg.output_dir else default_dir
-    res = evaluate_model(
-        model_path,
-        rows,
-        cfg.eval,
-        chat=cfg.model.chat,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
-        results_dir=results_dir,
-        dtype=str(cfg.model.dtype.value),
-        rollout=cfg.rollout,
-    )
+    results_dir.mkdir(parents=True, exist_ok=True)
+    # One MLflow run per results folder: re-running sage-eval there continues it and logs only what is new.
+    with start_run(cfg, results_dir, kind="eval") as tracker:
+        if tracker is not None:
+            tracker.set_tag("checkpoint", model_path)
+        res = evaluate_model(
+            model_path,
+            rows,
+            cfg.eval,
+            chat=cfg.model.chat,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
+            results_dir=results_dir,
+            dtype=str(cfg.model.dtype.value),
+            rollout=cfg.rollout,
+        )
+        if tracker is not None:
+            logged = tracker.client.get_run(tracker.run_id).data.metrics
+            for ds, r in res.items():
+                if metric_key(f"eval/{label}/{ds}/pass@1") not in logged:
+                    tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
     summaries = {ds: r["summary"] for ds, r in res.items()}
     print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
     print(f"\nresults: {results_dir / 'results.json'}")

@@ -238,7 +238,7 @@ def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]
         choices, sweep = hydra_context()
         tags = {
             "sage.kind": kind,
-            "seed": str(cfg.seed),
+            "seed": str(cfg.get("seed", "none")),  # sage-eval has sampling seeds only (eval.seeds)
             "git_commit": git_commit(),
             "output_dir": str(out),
             **{g: choices[g] for g in GROUP_TAGS if g in choices},

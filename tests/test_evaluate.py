@@ -248,10 +248,18 @@ def test_sage_eval_gives_the_trainers_numbers(tmp_path):
     assert json.loads((cells[0] / "completions.json").read_text()) == json.loads(
         (cells[1] / "completions.json").read_text()
     )
+    # sage-eval is an MLflow run too; running it again continues that run and logs nothing twice
+    from mlflow.tracking import MlflowClient
+
+    sage_eval(f"checkpoint={out / 'final'}", *SHRINK, f"output_dir={tmp_path / 'again'}")
+    client = MlflowClient()
+    run = client.get_run((tmp_path / "again" / "mlflow_run_id").read_text())
+    assert run.data.tags["sage.kind"] == "eval" and run.info.status == "FINISHED"
+    assert run.data.metrics["eval/final/arith_heldout/pass_at_1"] == pytest.approx(summary["pass@1"])
+    assert len(client.get_metric_history(run.info.run_id, "eval/final/arith_heldout/pass_at_1")) == 1
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path(ev.math_data("aime24.jsonl")).is_file(), reason="no local benchmark copies")
 def test_math_suite_runs_on_the_tiny_model(tmp_path):
     r = sage_eval(
         "eval=math_suite",
