@@ -151,6 +151,7 @@ def varying_params(params: Sequence[dict[str, str]], ignore: Sequence[str] = ())
         if k not in SEED_PARAMS
         and k not in ignore
         and not k.startswith(SEED_PARAM_PREFIXES)
+        and not all(p.get(k) == p.get("seed") for p in params)  # follows the seed (e.g. guide.seed: ${seed})
         and len({p.get(k) for p in params}) > 1
     ]
 

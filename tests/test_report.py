@@ -354,3 +354,13 @@ def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
 def test_figure_2_uses_the_periodic_held_out_accuracy(store, built):
     assert len(history(store, "g0", f"eval/periodic/{DS}/pass_at_1")) == 3  # eval.every_steps=1, 3 steps
     assert not any("eval/periodic" in n for n in built.notes)
+
+
+def test_params_that_follow_the_training_seed_do_not_split_rows():
+    from analysis.load import varying_params
+
+    runs = [
+        {"seed": str(s), "guide.seed": str(s), "guide.ratio": r}
+        for s, r in [(1, "0.3"), (2, "0.3"), (3, "0.5")]
+    ]
+    assert varying_params(runs) == ["guide.ratio"]
