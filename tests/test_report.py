@@ -170,8 +170,6 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("report_store")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
-    # created here, not by the first two runs at once: two processes migrating a new SQLite store race
-    client.create_experiment("report", artifact_location=(root / "mlartifacts").as_uri())
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
     def run(name):
@@ -223,6 +221,21 @@ def built(store):
         figures_dir=out.parent / "figures",
         tables_dir=out.parent / "tables",
     )
+
+
+@pytest.mark.slow
+def test_seeds_differ_and_all_methods_share_the_base_model(store):
+    """Issue 6's checks: training seeds give different samples; every method starts from one base model."""
+    client = store["client"]
+    runs = {name: client.get_run(run_id) for name, run_id in store["ids"].items()}
+    assert len({r.data.tags["base_model"] for r in runs.values()}) == 1
+    completions = {}
+    for name in ("g0", "g1"):
+        artifact = f"eval/trained/trained_{DS}_completions.json"
+        path = client.download_artifacts(store["ids"][name], artifact, str(store["root"] / f"dl_{name}"))
+        completions[name] = Path(path).read_text()
+    assert completions["g0"] != completions["g1"]
+    assert history(store, "g0", "train/reward") != history(store, "g1", "train/reward")
 
 
 @pytest.mark.slow
