@@ -111,7 +111,11 @@ def check_mlflow_record(out):
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert (tags["algorithm"], tags["divergence"], tags["guide"], tags["model"], tags["seed"]) == (
-        "grpo", "reverse_kl", "branch", "tiny", "0"
+        "grpo",
+        "reverse_kl",
+        "branch",
+        "tiny",
+        "0",
     )
     assert len(tags["git_commit"]) in (40, len("not-a-git-checkout"))
     assert run.data.params["guide.threshold"] == "0.5" and run.data.params["trainer.max_steps"] == "2"

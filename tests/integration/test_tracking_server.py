@@ -25,7 +25,10 @@ def sage_train(uri, *overrides):
     env.pop("MLFLOW_TRACKING_URI", None)  # the URI comes from the config here
     r = subprocess.run(
         [sys.executable, "-m", "sage.train", *SHRINK, f"tracking.uri={uri}", *overrides],
-        capture_output=True, text=True, timeout=900, env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     assert r.returncode == 0, r.stderr[-6000:]
     return r
