@@ -365,14 +365,28 @@ def validate(cfg: DictConfig) -> None:
                 "rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
             )
     t = cfg.trainer
-    if (t.prompts_per_step * t.num_generations) % t.num_generations:
-        raise ConfigError("trainer.prompts_per_step * num_generations must be divisible by num_generations")
     if t.num_generations < 2:
         raise ConfigError(
             f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})"
         )
-    for k in cfg.eval.ks:
-        if not 1 <= k <= cfg.eval.n_samples:
+    check_eval(cfg.eval)
+
+
+def check_eval(eval_cfg: DictConfig) -> None:
+    """Rules of the eval group shared by sage-train and sage-eval."""
+    for k in eval_cfg.ks:
+        if not 1 <= k <= eval_cfg.n_samples:
             raise ConfigError(
-                f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}"
+                f"eval.ks contains {k}; each k must be in 1..eval.n_samples={eval_cfg.n_samples}"
             )
+
+
+def exit_on_config_error(fn: Any, cfg: DictConfig) -> Any:
+    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2."""
+    import sys
+
+    try:
+        return fn(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +32,8 @@ from sage.config import (
     RolloutConfig,
     TrackingConfig,
     build,
+    check_eval,
+    exit_on_config_error,
     register_configs,
 )
 from sage.tracking import metric_key, start_run
@@ -63,11 +64,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
     from sage.evaluate import check_backend, evaluate_model, load_eval_rows
 
-    for k in cfg.eval.ks:
-        if not 1 <= k <= cfg.eval.n_samples:
-            raise ConfigError(
-                f"eval.ks contains {k}; each k must be in 1..eval.n_samples={cfg.eval.n_samples}"
-            )
+    check_eval(cfg.eval)
     check_backend(cfg.rollout)
     if cfg.checkpoint is not None and not Path(cfg.checkpoint).is_dir():
         raise ConfigError(
@@ -112,11 +109,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        evaluate(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_config_error(evaluate, cfg)
 
 
 def main() -> None:

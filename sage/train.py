@@ -15,14 +15,13 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, build, register_configs, validate
+from sage.config import ConfigError, build, exit_on_config_error, register_configs, validate
 from sage.tracking import start_run
 
 log = logging.getLogger("sage.train")
@@ -149,8 +148,10 @@ def run_sft(cfg: DictConfig, base_path: str, out: Path) -> str:
 
 
 def base_results_dir(model_path: str) -> Path:
-    root = Path(os.environ.get("SAGE_CACHE_DIR", Path.home() / ".cache" / "sage"))
-    return root / "eval" / hashlib.sha256(str(Path(model_path).resolve()).encode()).hexdigest()[:16]
+    from sage.testbed.model import default_cache_dir
+
+    key = hashlib.sha256(str(Path(model_path).resolve()).encode()).hexdigest()[:16]
+    return default_cache_dir() / "eval" / key
 
 
 def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) -> str:
@@ -308,11 +309,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
     """Returns every metric of the run; a sweeper picks its objectives from them by name."""
-    try:
-        return train(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return exit_on_config_error(train, cfg)
 
 
 def main() -> None:
