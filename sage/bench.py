@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import torch
 
-PROBLEMS, SAMPLES, REPEATS = 40, 64, 3
+PROBLEMS, SAMPLES, REPEATS = 40, 64, 5
 OVERHEAD_STEPS, WARMUP_STEPS = 12, 2
 
 
@@ -53,18 +53,22 @@ def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int,
 
 
 def bench_eval() -> dict[str, float]:
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sage.evaluate import HFSampler, SamplingSettings
     from sage.testbed.model import build_tiny_model
     from sage.testbed.task import heldout_rows
+    from sage.train import CONF_DIR
 
     path = build_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     max_new = 64  # model=tiny's max_completion_length: the training max length
     ids = [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(PROBLEMS)]
-    sampler = HFSampler(model, tokenizer, batch_size=512)
+    # the testbed evaluation's own batch size (conf/eval/arith_heldout.yaml)
+    batch_size = OmegaConf.load(Path(CONF_DIR) / "eval" / "arith_heldout.yaml").batch_size
+    sampler = HFSampler(model, tokenizer, batch_size=batch_size)
     ours, theirs = [], []
     for seed in range(REPEATS):  # interleaved, so both see the same background load
         s = SamplingSettings(SAMPLES, 1.0, 1.0, max_new, chat=False, seed=seed)
@@ -79,6 +83,7 @@ def bench_eval() -> dict[str, float]:
     return {
         "eval_tokens_per_s_ours": round(ours_tps, 1),
         "eval_tokens_per_s_per_problem_generate": round(theirs_tps, 1),
+        "eval_batch_size_ours": batch_size,
         "eval_speedup_vs_per_problem_generate": round(ours_tps / theirs_tps, 2),
     }
 

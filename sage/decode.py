@@ -1,19 +1,22 @@
 """Compact decoder: the CPU evaluator's forward pass for Llama-family decoder-only models (Qwen2, Llama,
-Mistral), written as a handful of tensor ops per layer instead of transformers' module stack.
+Mistral) in float32, written as a handful of tensor ops per layer instead of transformers' module stack.
 
 Why: on a small model and 2 cores, transformers' decode step spends most of its time outside the matrix
 products: per-module Python calls, ``DynamicCache`` growing by ``torch.cat`` (a full copy of the cache at
 every step) and the mask/rotary bookkeeping. Here
-- q/k/v and gate/up projections are fused into one matrix product each (weights packed once per
+- q/k/v projections are fused into one matrix product, RMSNorm weights are folded into the columns of
+  the projection that follows them and the attention scale into the query rows (weights packed once per
   ``sample`` call, so a model being trained is always decoded with its current weights);
-- the KV cache is preallocated at its final length and written in place;
-- finished sequences are dropped from the batch only once a quarter of it has finished, since every
-  drop copies the whole cache.
+- rotary embedding is one complex multiplication: the q/k output features of each head are permuted so
+  that each rotated pair (i, i + head_dim/2) is adjacent. Queries and keys get the same permutation, so
+  their dot products, and everything after them, are unchanged;
+- the KV cache is preallocated at its final length, slot-major, and written in place; finished sequences
+  are dropped from the batch once a quarter of it has finished, since every drop moves the cache.
 
-The maths is transformers' own, op for op (RMSNorm in float32, the model's own rotary embedding module so
-every RoPE variant is covered, softmax in float32); ``tests/test_decode.py`` checks logits against the
-model's forward pass at every position. Architectures or modules it does not cover (other model types,
-sliding-window attention, PEFT-wrapped layers) are named by :func:`unsupported_reason`.
+The model's own rotary module gives cos/sin, so every RoPE variant is covered; RMSNorm and softmax run in
+float32 as in transformers. ``tests/test_decode.py`` checks logits against the model's forward pass at
+every position. What it does not cover (other model types or dtypes, sliding-window attention,
+PEFT-wrapped layers) is named by :func:`unsupported_reason`.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
-COMPACT_WHEN_FINISHED = 0.5
-"""Fraction of finished rows in the batch at which they are dropped (a drop copies the whole cache)."""
+COMPACT_WHEN_FINISHED = 0.25
+"""Fraction of finished rows in the batch at which they are dropped (a drop moves the whole cache)."""
 
 
 def unsupported_reason(model) -> str | None:
-    """None if the compact decoder computes exactly what ``model``'s forward does, else why not."""
+    """None if the compact decoder computes what ``model``'s forward does, else why not."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {cfg.model_type!r} is not one of {list(SUPPORTED_MODEL_TYPES)}"
+    if model.dtype != torch.float32:
+        return f"dtype {model.dtype} (only torch.float32)"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
     layer_types = getattr(cfg, "layer_types", None) or []
@@ -66,38 +71,53 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+
+
+def _pair_rotated(t: torch.Tensor, n_heads: int, scale: float = 1.0) -> torch.Tensor:
+    """Rows (output features) of a q or k projection reordered per head as (0, D/2, 1, D/2 + 1, ...), the
+    pairs rotate_half rotates together, so that a complex view of the output is the rotation's input."""
+    head = t.view(n_heads, 2, t.shape[0] // n_heads // 2, *t.shape[1:])  # (heads, 2, D/2, ...)
+    return (head.transpose(1, 2) * scale).reshape(t.shape)
 
 
 @dataclass
 class _Layer:
-    ln1: torch.Tensor
-    ln2: torch.Tensor
+    """One decoder layer's weights; the RMSNorm weight before a projection is folded into its columns."""
+
     eps1: float
     eps2: float
-    qkv_w: torch.Tensor
+    qkv_w: torch.Tensor  # rows: scale * q (pair order), k (pair order), v
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
+    gate_w: torch.Tensor
+    gate_b: torch.Tensor | None
+    up_w: torch.Tensor
+    up_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: statistics in float32, the weight applied in the input dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight (folded into the next projection): x / sqrt(mean(x^2) + eps)."""
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # one pass over x for the statistic
+    return x * r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; written out below 16 entries, where torch 2.13's CPU kernel leaves its
+    vectorised path and is ~5x slower (the first decode steps of short prompts)."""
+    if scores.shape[-1] >= 16:
+        return torch.softmax(scores, dim=-1)
+    e = (scores - scores.amax(-1, keepdim=True)).exp_()
+    return e.div_(e.sum(-1, keepdim=True))
+
+
+def _add_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + a @ w.T (+ b), the residual add fused into the matrix product when there is no bias."""
+    return torch.addmm(x, a, w.t()) if b is None else x + F.linear(a, w, b)
 
 
 class KVCache:
@@ -156,46 +176,82 @@ class CompactDecoder:
         cfg = model.config
         base = model.model
         attn0 = base.layers[0].self_attn
-        self.head_dim = attn0.head_dim
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.scale = attn0.scaling
+        self.head_dim = d = attn0.head_dim
+        self.n_heads = h = cfg.num_attention_heads
+        self.n_kv = kv = cfg.num_key_value_heads
+        scale = attn0.scaling
         self.embed = base.embed_tokens.weight
         self.rotary = base.rotary_emb
-        self.norm, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
-        self.lm_head_w, self.lm_head_b = model.lm_head.weight, model.lm_head.bias
+        self.norm_eps = base.norm.variance_epsilon
+        self.lm_head_w, self.lm_head_b = model.lm_head.weight * base.norm.weight, model.lm_head.bias
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
+            has_bias = any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj))
+            ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             self.layers.append(
                 _Layer(
-                    ln1=layer.input_layernorm.weight,
-                    ln2=layer.post_attention_layernorm.weight,
                     eps1=layer.input_layernorm.variance_epsilon,
                     eps2=layer.post_attention_layernorm.variance_epsilon,
-                    qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    qkv_b=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    qkv_w=torch.cat(
+                        [
+                            _pair_rotated(a.q_proj.weight, h, scale),
+                            _pair_rotated(a.k_proj.weight, kv),
+                            a.v_proj.weight,
+                        ]
+                    )
+                    * ln1,
+                    qkv_b=torch.cat(
+                        [
+                            _pair_rotated(_bias(a.q_proj), h, scale),
+                            _pair_rotated(_bias(a.k_proj), kv),
+                            _bias(a.v_proj),
+                        ]
+                    )
+                    if has_bias
+                    else None,
                     o_w=a.o_proj.weight,
                     o_b=a.o_proj.bias,
-                    gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                    gate_up_b=_cat_bias(m.gate_proj, m.up_proj),
+                    gate_w=m.gate_proj.weight * ln2,
+                    gate_b=m.gate_proj.bias,
+                    up_w=m.up_proj.weight * ln2,
+                    up_b=m.up_proj.bias,
                     down_w=m.down_proj.weight,
                     down_b=m.down_proj.bias,
                 )
             )
+        self.sizes = [h * d, kv * d, kv * d]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
 
     def cache(self, slots: int, rows: int) -> KVCache:
         return KVCache(len(self.layers), slots, rows, self.n_kv, self.head_dim, self.dtype, self.device)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_w, self.lm_head_b)
+    def _rotation(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """(N, 1, D/2) complex rotations for positions (N,), from the model's own rotary module (whose
+        cos/sin repeat over the two halves of a head, as rotate_half requires)."""
+        cos, sin = self.rotary(x[:, None], position[:, None])  # (N, 1, D)
+        half = self.head_dim // 2
+        return torch.complex(cos[..., :half], sin[..., :half])
+
+    def _qkv(self, x: torch.Tensor, layer: _Layer, rotation: torch.Tensor):
+        """Rotated queries (N, heads, D) and keys (N, kv, D) in pair order, values (N, kv, D), of x (N, H)."""
+        n, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(_normalized(x, layer.eps1), layer.qkv_w, layer.qkv_b).split(self.sizes, dim=-1)
+        q = torch.view_as_real(torch.view_as_complex(q.view(n, self.n_heads, d // 2, 2)) * rotation)
+        k = torch.view_as_real(torch.view_as_complex(k.view(n, self.n_kv, d // 2, 2)) * rotation)
+        return q.view(n, self.n_heads, d), k.view(n, self.n_kv, d), v.view(n, self.n_kv, d)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        h = _rms_norm(x, layer.ln2, layer.eps2)
-        gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+        """x + MLP(norm(x)) for (N, H) inputs."""
+        h = _normalized(x, layer.eps2)
+        # two products rather than one fused gate/up: the activation then runs in place on contiguous
+        # memory (a strided in-place silu is an order of magnitude slower on CPU)
+        gate = F.silu(F.linear(h, layer.gate_w, layer.gate_b), inplace=True)
+        return _add_linear(x, gate.mul_(F.linear(h, layer.up_w, layer.up_b)), layer.down_w, layer.down_b)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_normalized(x, self.norm_eps), self.lm_head_w, self.lm_head_b)
 
     @torch.inference_mode()
     def prefill(
@@ -216,31 +272,27 @@ class CompactDecoder:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (P, W)
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
         # a padding query attends to itself only: a query with no key at all would give NaN rows
-        allowed = ((causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev))[:, None]
+        allowed = ((causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev))[
+            :, None, None
+        ]
         expand = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(copies, device=dev))
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        group = self.n_heads // self.n_kv
-        x = F.embedding(ids, self.embed)  # (P, W, H)
-        cos, sin = self.rotary(x, positions)  # (P, W, D)
-        cos, sin = cos[:, None], sin[:, None]  # (P, 1, W, D): broadcast over heads
+        kv, group, d = self.n_kv, self.n_heads // self.n_kv, self.head_dim
+        x = F.embedding(ids.view(-1), self.embed)  # tokens (P * W, H)
+        rotation = self._rotation(x, positions.view(-1))
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln1, layer.eps1)
-            q, k, v = F.linear(h, layer.qkv_w, layer.qkv_b).split([q_size, kv_size, kv_size], dim=-1)
-            q = _rotate(q.view(p, width, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)  # (P,h,W,D)
-            k = _rotate(k.view(p, width, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)  # (P,kv,W,D)
-            v = v.view(p, width, self.n_kv, self.head_dim).transpose(1, 2)  # (P, kv, W, D)
+            q, k, v = self._qkv(x, layer, rotation)  # (P * W, heads or kv, D)
+            k, v = k.view(p, width, kv, d), v.view(p, width, kv, d)
             # slot-major cache rows, one per sample: (W, rows, kv, D)
-            cache.keys[i][:width, :total] = k[expand].permute(2, 0, 1, 3)
-            cache.values[i][:width, :total] = v[expand].permute(2, 0, 1, 3)
+            cache.keys[i][:width, :total] = k[expand].transpose(0, 1)
+            cache.values[i][:width, :total] = v[expand].transpose(0, 1)
             # grouped-query attention without repeating keys: queries as (P, kv, group, W, D)
-            q = q.reshape(p, self.n_kv, group, width, self.head_dim)
-            scores = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * self.scale  # (P, kv, g, W, W)
-            scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            out = torch.matmul(probs, v[:, :, None])  # (P, kv, g, W, D)
-            out = out.view(p, self.n_heads, width, self.head_dim).transpose(1, 2).reshape(p, width, q_size)
-            x = self._mlp(x + F.linear(out, layer.o_w, layer.o_b), layer)
-        logits = self._logits(_rms_norm(x[:, -1], self.norm, self.norm_eps))  # (P, V)
+            q = q.view(p, width, kv, group, d).permute(0, 2, 3, 1, 4)
+            k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # (P, kv, 1, W, D)
+            scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))  # (P,kv,g,W,W)
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (P, kv, g, W, D)
+            out = out.permute(0, 3, 1, 2, 4).reshape(p * width, -1)  # (P * W, heads * D)
+            x = self._mlp(_add_linear(x, out, layer.o_w, layer.o_b), layer)
+        logits = self._logits(x.view(p, width, -1)[:, -1])  # (P, V)
         key_mask = torch.ones(total, cache.slots, dtype=torch.bool, device=dev)
         key_mask[:, :width] = real[expand]
         state = DecodeState(
@@ -258,27 +310,35 @@ class CompactDecoder:
         """Feed one token per row (rows,); returns the next-token logits (rows, vocab)."""
         b, slot = state.rows, state.filled
         end = slot + 1
-        mask = state.key_mask[:, None, None, :end] if state.padded else None  # (B, 1, 1, S)
+        kv, group, d = self.n_kv, self.n_heads // self.n_kv, self.head_dim
+        mask = ~state.key_mask[:, None, None, :end] if state.padded else None  # (B, 1, 1, S)
         x = F.embedding(ids, self.embed)  # (B, H)
-        cos, sin = self.rotary(x[:, None], state.position[:, None])  # (B, 1, D)
-        n_qk, group = self.n_heads + self.n_kv, self.n_heads // self.n_kv
+        rotation = self._rotation(x, state.position)
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln1, layer.eps1)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(b, n_qk + self.n_kv, self.head_dim)
-            qk = _rotate(qkv[:, :n_qk], cos, sin)  # (B, heads + kv_heads, D): q and k rotated at once
             keys, values = state.cache.keys[i], state.cache.values[i]
-            keys[slot, :b] = qk[:, self.n_heads :]
-            values[slot, :b] = qkv[:, n_qk:]
-            q = qk[:, : self.n_heads].view(b, self.n_kv, group, self.head_dim)
-            scores = torch.matmul(q, keys[:end, :b].permute(1, 2, 3, 0)) * self.scale  # (B, kv, g, S)
+            q, k, v = F.linear(_normalized(x, layer.eps1), layer.qkv_w, layer.qkv_b).split(self.sizes, dim=-1)
+            q = torch.view_as_complex(q.view(b, self.n_heads, d // 2, 2)) * rotation
+            # the rotated keys and the values go straight into their cache slot
+            torch.mul(
+                torch.view_as_complex(k.view(b, kv, d // 2, 2)),
+                rotation,
+                out=torch.view_as_complex(keys[slot, :b].view(b, kv, d // 2, 2)),
+            )
+            values[slot, :b] = v.view(b, kv, d)
+            # (B * kv, D, S) and (B * kv, S, D) views of the cache: no copy
+            scores = torch.bmm(
+                torch.view_as_real(q).view(b * kv, group, d),
+                keys[:end, :b].permute(1, 2, 3, 0).reshape(b * kv, d, end),
+            )
             if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            out = torch.matmul(probs, values[:end, :b].permute(1, 2, 0, 3)).view(b, -1)  # (B, heads * D)
-            x = self._mlp(x + F.linear(out, layer.o_w, layer.o_b), layer)
+                scores = (
+                    scores.view(b, kv, group, end).masked_fill(mask, float("-inf")).view(b * kv, group, end)
+                )
+            out = torch.bmm(_softmax(scores), values[:end, :b].permute(1, 2, 0, 3).reshape(b * kv, end, d))
+            x = self._mlp(_add_linear(x, out.view(b, -1), layer.o_w, layer.o_b), layer)
         state.filled = end
         state.position = state.position + 1
-        return self._logits(_rms_norm(x, self.norm, self.norm_eps))
+        return self._logits(x)
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

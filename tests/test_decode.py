@@ -1,0 +1,450 @@
+"""The compact decoder (sage/decode.py) against transformers: logits equal the model's forward pass at every
+position (teacher forcing, left padding, copies, dropped rows) for Qwen2 (GQA, biases), Llama (non-default
+RoPE) and Mistral; greedy decoding equals ``generate``; sampling follows softmax(logits / T) and never
+leaves the top-p nucleus; unsupported models are named and fall back to transformers' forward; the
+evaluator's KV cache is reused and refused up front when memory is short.
+
+Tests on the testbed model are marked slow (``build_tiny_model`` trains it when no build is cached);
+the random tiny models are unit tests."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import sage.evaluate as ev
+from sage.config import ConfigError
+from sage.decode import CompactDecoder, DecodeState, KVCache, sample_batch, unsupported_reason
+from sage.evaluate import HFSampler, SamplingSettings
+from sage.testbed.tokenizer import build_tokenizer
+
+ATOL = 1e-4
+VOCAB = 23  # the testbed tokenizer's, so that random models can be sampled through HFSampler too
+SPECIAL = {"eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    **SPECIAL,
+}
+
+
+# ----------------------------------------------------------------------------------------------- models
+def randomised(model):
+    """Every parameter drawn afresh, so that no weight hides a mistake: transformers initialises biases
+    to zero and norm weights to one, and its 0.02 init gives near-uniform logits."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+RANDOM_MODELS = {
+    # Qwen2: grouped-query attention (4 heads on 2 kv heads), q/k/v biases
+    "qwen2_gqa": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, head_dim=16)),
+    # Llama with a non-default RoPE (transformers 5 spells it rope_parameters), no attention bias
+    "llama_rope_linear": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SMALL,
+            attention_bias=False,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        )
+    ),
+    "llama_rope_llama3": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SMALL,
+            attention_bias=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        )
+    ),
+    # Llama with every bias (o_proj and MLP too) and multi-query attention
+    "llama_bias_mqa": lambda: LlamaForCausalLM(
+        LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
+    ),
+    # Mistral without a sliding window, head_dim != hidden_size / heads
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None, head_dim=8)),
+}
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    from sage.testbed.model import build_tiny_model
+
+    path = build_tiny_model()
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def heldout_ids(tokenizer, n: int) -> list[list[int]]:
+    from sage.testbed.task import heldout_rows
+
+    return [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(n)]
+
+
+def spy(monkeypatch, cls, name: str) -> list[tuple]:
+    """Record the arguments of every call of ``cls.name`` (the method still runs)."""
+    calls, method = [], getattr(cls, name)
+
+    def wrapper(self, *args):
+        calls.append(args)
+        return method(self, *args)
+
+    monkeypatch.setattr(cls, name, wrapper)
+    return calls
+
+
+def eos_of(model) -> torch.Tensor:
+    return torch.tensor([model.generation_config.eos_token_id])
+
+
+# ------------------------------------------------------------------------------------ teacher forcing
+def check_teacher_forcing(model, prompts, copies, *, n_steps=9, drops=None, seed=0):
+    """Prefill ``prompts`` (copies[i] rows each), feed random tokens (different in every row) through
+    ``step``, dropping rows with ``DecodeState.select`` before the steps named in ``drops`` ({step: kept
+    batch indices}); every logits row must equal the model's forward pass over that row's unpadded
+    sequence, at the matching position."""
+    drops = drops or {}
+    decoder = CompactDecoder(model)
+    width, total = max(map(len, prompts)), sum(copies)
+    cache = decoder.cache(width + n_steps, total + 2)  # larger than needed, as the evaluator's reused one
+    for buf in (*cache.keys, *cache.values):
+        buf.fill_(float("nan"))  # reading a slot never written would poison the logits
+    state, logits = decoder.prefill(prompts, copies, cache, n_steps, pad_id=0)
+    assert state.padded == (len(set(map(len, prompts))) > 1)
+    prompt_of = [i for i, c in enumerate(copies) for _ in range(c)]
+    sequences = [list(prompts[i]) for i in prompt_of]
+    got = [[row] for row in logits]  # per output row: logits after each of its prefixes
+    alive = list(range(total))  # batch row -> output row
+    g = torch.Generator().manual_seed(seed)
+    for t in range(n_steps - 1):
+        if t in drops:
+            state.select(torch.tensor(drops[t]))
+            alive = [alive[k] for k in drops[t]]
+        ids = torch.randint(model.config.vocab_size, (len(alive),), generator=g)
+        for r, i in zip(alive, ids.tolist(), strict=True):
+            sequences[r].append(i)
+        logits = decoder.step(state, ids)
+        assert logits.shape == (len(alive), model.config.vocab_size)
+        for r, row in zip(alive, logits, strict=True):
+            got[r].append(row)
+    spread = []
+    for r, seq in enumerate(sequences):
+        with torch.no_grad():
+            expected = model(torch.tensor([seq])).logits[0, len(prompts[prompt_of[r]]) - 1 :]
+        torch.testing.assert_close(torch.stack(got[r]), expected, atol=ATOL, rtol=1e-4, msg=f"row {r}")
+        spread.append(expected.std().item())
+    # the comparison discriminates: logits vary far more than the tolerance
+    assert min(spread) > 1000 * ATOL
+    return sequences
+
+
+# two rows are dropped after the 3rd step (one copy of prompt 0, the only copy of prompt 1), two more
+# after the 6th (leaving one row of prompts 0 and 2)
+PROMPT_LENGTHS, COPIES = [5, 9, 2], [2, 1, 3]
+DROPS = {3: [1, 3, 4, 5], 6: [0, 3]}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_MODELS))
+def test_logits_equal_the_forward_pass_on_random_models(name):
+    torch.manual_seed(0)
+    model = randomised(RANDOM_MODELS[name]())
+    assert unsupported_reason(model) is None
+    if name.startswith("llama_rope_"):  # the scaled RoPE is in force: its frequencies are not the default
+        assert model.model.rotary_emb.rope_type == name.removeprefix("llama_rope_")
+        assert model.model.rotary_emb.inv_freq[0] < 1.0
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    sequences = check_teacher_forcing(model, prompts, COPIES, drops=DROPS)
+    # the surviving rows ran every step; the dropped ones stopped where they were dropped
+    grown = [len(s) - len(prompts[i]) for s, i in zip(sequences, [0, 0, 1, 2, 2, 2], strict=True)]
+    assert grown == [3, 8, 3, 6, 6, 8]
+
+
+def test_logits_equal_the_forward_pass_without_padding():
+    """Prompts of one length take the unmasked attention path."""
+    model = randomised(RANDOM_MODELS["qwen2_gqa"]())
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(VOCAB, (6,), generator=g).tolist() for _ in range(2)]
+    check_teacher_forcing(model, prompts, [3, 2], drops={2: [0, 2, 4]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "equal_lengths"])
+def test_logits_equal_the_forward_pass_on_the_testbed(testbed, padded):
+    model, tokenizer = testbed
+    prompts = heldout_ids(tokenizer, 3)
+    if padded:
+        prompts = [prompts[0], prompts[1][:5], prompts[2][:3]]
+    check_teacher_forcing(model, prompts, COPIES, n_steps=12, drops={3: [1, 3, 4, 5], 8: [0, 3]})
+
+
+# --------------------------------------------------------------------------------------- greedy / sampling
+def generate_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_new_tokens", [12, 48])
+def test_greedy_sampling_equals_generate(testbed, monkeypatch, max_new_tokens):
+    model, tokenizer = testbed
+    eos = model.generation_config.eos_token_id
+    prompts = heldout_ids(tokenizer, 5)
+    prompts[1], prompts[3] = prompts[1][:6], prompts[3][:4]  # left padding in the batch
+    # at 48 tokens, 3 of the 9 rows end (27 tokens) without the batch being compacted, then 3 more (33)
+    copies = [1, 3, 1, 3, 1]
+    selects = spy(monkeypatch, DecodeState, "select")
+    decoder = CompactDecoder(model)
+    cache = decoder.cache(8 + max_new_tokens, sum(copies))
+    tokens, lengths = sample_batch(
+        decoder,
+        cache,
+        prompts,
+        copies,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        eos=eos_of(model),
+        pad_id=0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert tokens.shape == (sum(copies), max_new_tokens) and lengths.shape == (sum(copies),)
+    rows = [i for i, c in enumerate(copies) for _ in range(c)]
+    finished = 0
+    for r, i in enumerate(rows):
+        expected = generate_greedy(model, prompts[i], max_new_tokens)
+        if eos in expected:
+            assert len(expected) == expected.index(eos) + 1  # generate stops at eos
+            finished += 1
+        else:
+            assert len(expected) == max_new_tokens
+        n = int(lengths[r])
+        assert n == len(expected), f"row {r}"
+        assert tokens[r, :n].tolist() == expected, f"row {r}"
+        assert (tokens[r, n:] == 0).all(), f"row {r}: pad after eos"
+    if max_new_tokens == 48:  # every completion ends, at different lengths: finished rows were dropped
+        assert finished == len(rows) and selects
+    else:
+        assert finished == 0 and not selects
+
+
+@pytest.mark.slow
+def test_sampling_follows_the_tempered_softmax_and_the_nucleus(testbed):
+    model, tokenizer = testbed
+    prompt = heldout_ids(tokenizer, 1)[0][:5]  # "53*7+": the next token is genuinely uncertain
+    temperature, n_batches, copies = 1.3, 10, 2000
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    decoder = CompactDecoder(model)
+    cache = decoder.cache(len(prompt) + 1, copies)
+    g = torch.Generator().manual_seed(0)
+
+    def first_tokens(top_p):
+        out = []
+        for _ in range(n_batches):
+            tokens, lengths = sample_batch(
+                decoder,
+                cache,
+                [prompt],
+                [copies],
+                max_new_tokens=1,
+                temperature=temperature,
+                top_p=top_p,
+                eos=eos_of(model),
+                pad_id=0,
+                generator=g,
+            )
+            assert (lengths == 1).all()
+            out.append(tokens[:, 0])
+        return torch.cat(out)
+
+    def within_5_sigma(samples, p):
+        n = len(samples)
+        counts = torch.bincount(samples, minlength=len(p)).double()
+        p = p.double()
+        return bool(((counts - n * p).abs() <= 5 * (n * p * (1 - p)).sqrt() + 1e-9).all())
+
+    probs = torch.softmax(logits / temperature, dim=-1)
+    assert (probs.max() < 0.5).item()  # far from one-hot: the check has power
+    samples = first_tokens(1.0)
+    assert within_5_sigma(samples, probs)
+    assert not within_5_sigma(samples, torch.softmax(logits, dim=-1))  # the temperature is visible
+
+    top_p = 0.8
+    sorted_p, order = probs.sort(descending=True)
+    before = sorted_p.cumsum(0) - sorted_p  # mass of the more likely tokens
+    assert (before - top_p).abs().min() > 1e-3  # no token on the boundary
+    nucleus = order[before < top_p]
+    assert 2 <= len(nucleus) < VOCAB and probs[nucleus].sum() < 0.95  # unfiltered, ~1000 would fall outside
+    samples = first_tokens(top_p)
+    assert set(samples.tolist()) <= set(nucleus.tolist())
+    inside = torch.zeros_like(probs)
+    inside[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    assert within_5_sigma(samples, inside)
+
+
+# ------------------------------------------------------------------------------------- unsupported models
+UNSUPPORTED = {
+    "gpt2": (
+        lambda: GPT2LMHeadModel(
+            GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=64, **SPECIAL)
+        ),
+        "gpt2",
+    ),
+    "mistral_sliding_window": (
+        lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)),
+        "sliding_window",
+    ),
+    "qwen2_sliding_layers": (
+        lambda: Qwen2ForCausalLM(
+            Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+        ),
+        "sliding_attention",
+    ),
+    "llama_gelu": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="gelu")), "hidden_act"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_models_are_named(name):
+    build, expected = UNSUPPORTED[name]
+    model = build().eval()
+    reason = unsupported_reason(model)
+    assert isinstance(reason, str) and expected in reason
+    with pytest.raises(ValueError, match="compact decoder"):
+        CompactDecoder(model)
+
+
+def test_supported_models_have_no_reason():
+    for name, build in RANDOM_MODELS.items():
+        assert unsupported_reason(build()) is None, name
+
+
+def test_peft_wrapped_projections_are_named():
+    from peft import LoraConfig, get_peft_model
+
+    model = RANDOM_MODELS["qwen2_gqa"]().eval()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    reason = unsupported_reason(peft_model.base_model.model)
+    assert reason is not None and "q_proj" in reason and "layers.0" in reason
+    with pytest.raises(ValueError, match="q_proj"):
+        CompactDecoder(peft_model.base_model.model)
+
+
+@pytest.mark.slow
+def test_testbed_model_is_supported(testbed):
+    assert unsupported_reason(testbed[0]) is None
+
+
+def test_unsupported_model_samples_with_transformers_forward(caplog):
+    torch.manual_seed(0)
+    model = randomised(UNSUPPORTED["gpt2"][0]())
+    tokenizer = build_tokenizer()
+    with caplog.at_level(logging.WARNING, logger="sage.evaluate"):
+        sampler = HFSampler(model, tokenizer, batch_size=3)
+    assert sampler.decoder == "transformers"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "sage.evaluate"]
+    assert len(warnings) == 1 and "gpt2" in warnings[0].getMessage()
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    s = SamplingSettings(n_samples=2, temperature=1.0, top_p=1.0, max_new_tokens=6, chat=False, seed=0)
+    out = sampler.sample(prompts, s)
+    assert [len(c) for c in out.completions] == [2, 2]
+    assert 0 < out.n_tokens <= 4 * 6
+    # the fallback's greedy decoding is transformers' own too
+    greedy = sampler.sample(prompts, SamplingSettings(1, 0.0, 1.0, 6, False, 0))
+    for prompt, (text,) in zip(prompts, greedy.completions, strict=True):
+        assert text == tokenizer.decode(generate_greedy(model, prompt, 6), skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------- HFSampler
+def test_compact_cache_is_reused_and_refused_when_memory_is_short(monkeypatch):
+    model = RANDOM_MODELS["qwen2_gqa"]().eval()
+    sampler = HFSampler(model, build_tokenizer(), batch_size=8)
+    assert sampler.decoder == "compact"
+    decoder = CompactDecoder(model)
+    first = sampler._compact_cache(decoder, 40, 20)
+    assert (first.slots, first.rows) == (40, 8)  # rows: at most batch_size
+    assert sampler._compact_cache(decoder, 40, 20) is first
+    assert sampler._compact_cache(decoder, 30, 5) is first
+    bigger = sampler._compact_cache(decoder, 41, 20)
+    assert bigger is not first and (bigger.slots, bigger.rows) == (41, 8)
+    assert sampler._compact_cache(decoder, 40, 3) is bigger
+
+    need = KVCache.nbytes(len(decoder.layers), 60, 8, decoder.n_kv, decoder.head_dim, decoder.dtype)
+    assert need == 5 * 60 * 8 * 2 * 16 * 4  # 2 layers x (keys, values) + scratch, float32
+    monkeypatch.setattr(
+        ev.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 0.99))
+    )
+    with pytest.raises(ConfigError, match=r"eval\.batch_size=8"):
+        sampler._compact_cache(decoder, 60, 20)
+    monkeypatch.setattr(
+        ev.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 1.01))
+    )
+    fits = sampler._compact_cache(decoder, 60, 20)
+    assert (fits.slots, fits.rows) == (60, 8)
+
+
+@pytest.mark.slow
+def test_hf_sampler_end_to_end_greedy_equals_generate(testbed, monkeypatch):
+    model, tokenizer = testbed
+    prompts = heldout_ids(tokenizer, 4)
+    # sorted by length, the chunks of 5 are (57*4+ x3, 95*6+40 x2), (95*6+40, 53*7+91= x3, 14*3+18=),
+    # (14*3+18= x2): completions of 27 tokens, none within 48 (no eos), 27 and 23 tokens, so rows finish
+    # at different steps, and the longer prompts of a chunk left-pad the shorter ones
+    prompts[1], prompts[2] = prompts[1][:7], prompts[2][:5]
+    prefills = spy(monkeypatch, CompactDecoder, "prefill")
+    selects = spy(monkeypatch, DecodeState, "select")
+    sampler = HFSampler(model, tokenizer, batch_size=5)
+    assert sampler.decoder == "compact"
+    n, max_new = 3, 48
+    out = sampler.sample(prompts, SamplingSettings(n, 0.0, 1.0, max_new, False, seed=0))
+    assert [sum(copies) for _, copies, *_ in prefills] == [5, 5, 2]  # 12 sequences in chunks of <= 5
+    assert selects  # finished rows were dropped from some batch
+    expected = [generate_greedy(model, p, max_new) for p in prompts]
+    assert [len(e) for e in expected] == [27, 48, 27, 23]
+    for completions, ids in zip(out.completions, expected, strict=True):
+        assert completions == [tokenizer.decode(ids, skip_special_tokens=True)] * n
+    assert out.n_tokens == n * sum(map(len, expected))
+
+    sampled = SamplingSettings(n, 1.0, 0.95, max_new, False, seed=1)
+    first = sampler.sample(prompts, sampled)
+    assert [len(c) for c in first.completions] == [n] * len(prompts)
+    assert sampler.sample(prompts, sampled) == first  # the seed fixes the samples
