@@ -68,6 +68,19 @@ def unsupported_reason(model) -> str | None:
             return f"layers.{i}.self_attn.scaling {attn.scaling} (only head_dim**-0.5)"
     if type(model.lm_head) is not nn.Linear:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear"
+    return _rotary_reason(base.rotary_emb, base.layers[0].self_attn.head_dim, model.dtype)
+
+
+def _rotary_reason(rotary, head_dim: int, dtype) -> str | None:
+    """The rotation as one complex multiply needs cos/sin over the whole head, repeated over its halves
+    (transformers' rotate_half convention); probed on a few positions."""
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, 1, dtype=dtype), torch.arange(16)[None])  # (1, 16, D)
+    if cos.shape[-1] != head_dim:
+        return f"rotary embedding over {cos.shape[-1]} of {head_dim} head dims (only full rotary)"
+    half = head_dim // 2
+    if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
+        return "rotary embedding whose cos/sin differ between the two halves of a head"
     return None
 
 

@@ -6,7 +6,8 @@ Departures from the authors' evaluator (SAGE.md section 7):
 - the HF backend runs its own decode loop over (prompt, sample) pairs batched across problems: each
   distinct prompt is prefilled once and its KV cache copied to its samples, and finished sequences leave
   the batch, so no compute goes to a prompt's duplicates or to padding after eos (``generate`` with
-  num_return_sequences computes every sequence until the longest one of the call stops);
+  num_return_sequences computes every sequence until the longest one of the call stops); Llama-family
+  models run through ``sage.decode.CompactDecoder``, the same forward pass in a few fused tensor ops;
 - the vLLM backend submits all prompts x n samples of a cell at once to one engine per checkpoint;
 - pass@1 is the mean over ALL problems and samples; pass@k is the unbiased estimator for every k;
 - finished cells are stored and never re-sampled; a cell's key holds everything that changes its samples

@@ -340,7 +340,26 @@ UNSUPPORTED = {
         "sliding_attention",
     ),
     "llama_gelu": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="gelu")), "hidden_act"),
+    "bfloat16": (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)).to(torch.bfloat16), "dtype"),
+    "rotary_halves_differ": (lambda: with_rotary(halves_differ), "halves"),
+    "partial_rotary": (lambda: with_rotary(partial), "full rotary"),
 }
+
+
+def with_rotary(patch):
+    """A supported model whose rotary module's output is altered by ``patch(cos, sin)``."""
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
+    forward = model.model.rotary_emb.forward
+    model.model.rotary_emb.forward = lambda x, position_ids: patch(*forward(x, position_ids))
+    return model
+
+
+def halves_differ(cos, sin):
+    return cos, torch.cat([sin[..., : sin.shape[-1] // 2], -sin[..., sin.shape[-1] // 2 :]], dim=-1)
+
+
+def partial(cos, sin):
+    return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
