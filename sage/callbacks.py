@@ -21,10 +21,15 @@ class PeriodicEval(TrainerCallback):
     """Every ``every`` optimiser steps: ``settings.n_samples`` samples per held-out problem from the model
     being trained; pass@1 and pass@n go to MLflow as ``eval/periodic/<dataset>/pass_at_<k>`` at that step
     and to ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
-    not change the training samples."""
+    not change the training samples. With a ``trial`` (an Optuna sweep that prunes), the step's metrics
+    are reported to it and training stops when its pruner says so (``pruned_at`` is then that step)."""
 
-    def __init__(self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path):
+    def __init__(
+        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, trial=None
+    ):
         self.rows_by_dataset = rows_by_dataset
+        self.trial = trial
+        self.pruned_at: int | None = None
         self.settings = settings
         self.every = every
         self.batch_size = batch_size
@@ -40,6 +45,7 @@ class PeriodicEval(TrainerCallback):
         rng = torch.get_rng_state()
         was_training = model.training
         model.eval()
+        metrics: dict[str, float] = {}
         try:
             for name, rows in self.rows_by_dataset.items():
                 completions = sample_completions(
@@ -60,16 +66,39 @@ class PeriodicEval(TrainerCallback):
                     f"pass@{n}": curve[n],
                 }
                 self.records.append(record)
+                step_metrics = {
+                    f"eval/periodic/{name}/pass@1": curve[1],
+                    f"eval/periodic/{name}/pass@{n}": curve[n],
+                }
+                metrics.update(step_metrics)
                 if self.tracker is not None:
-                    self.tracker.log_metrics(
-                        {
-                            f"eval/periodic/{name}/pass@1": curve[1],
-                            f"eval/periodic/{name}/pass@{n}": curve[n],
-                        },
-                        step=state.global_step,
-                    )
+                    self.tracker.log_metrics(step_metrics, step=state.global_step)
                 log.info("step %d: held-out %s pass@1 %.3f", state.global_step, name, curve[1])
         finally:
             model.train(was_training)
             torch.set_rng_state(rng)
         self.path.write_text(json.dumps(self.records, indent=1))
+        if self.trial is not None and self.trial.report(metrics, state.global_step):
+            log.info("step %d: the study's pruner stops this trial", state.global_step)
+            self.pruned_at = state.global_step
+            control.should_training_stop = True
+
+
+class OptunaTrial:
+    """The running trial of an Optuna study, as stored by ``hydra/sweeper=optuna`` (sage.config.
+    OptunaTrialConfig): ``report`` stores one intermediate value and asks the study's pruner (the
+    sweeper's ``hydra.sweeper.pruner``, rebuilt here) whether to stop."""
+
+    def __init__(self, storage: str, study: str, number: int, metric: str, pruner) -> None:
+        import optuna
+
+        store = optuna.storages.get_storage(storage)
+        study_id = store.get_study_id_from_name(study)
+        self.study = optuna.load_study(study_name=study, storage=store, pruner=pruner)
+        self.trial = optuna.Trial(self.study, store.get_trial_id_from_study_id_trial_number(study_id, number))
+        self.metric = metric
+
+    def report(self, metrics: dict[str, float], step: int) -> bool:
+        """True: prune (stop) this trial now."""
+        self.trial.report(metrics[self.metric], step)
+        return self.trial.should_prune()

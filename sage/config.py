@@ -296,6 +296,17 @@ class TrackingConfig:
 
 
 @dataclass
+class OptunaTrialConfig:
+    """Set by ``hydra/sweeper=optuna`` when ``hydra.sweeper.prune_on`` is given: the study trial this run
+    is, to which every periodic evaluation reports ``metric``; the study's pruner may stop the run."""
+
+    storage: str | None = None
+    study: str | None = None
+    number: int | None = None
+    metric: str | None = None
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: Any = MISSING
@@ -311,6 +322,10 @@ class TrainConfig:
     seed: int = 0
     output_dir: str | None = field(default=None, metadata={"help": "None: Hydra's run (or sweep job) dir"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir's last checkpoint"})
+    optuna_trial: OptunaTrialConfig = field(
+        default_factory=OptunaTrialConfig,
+        metadata={"help": "set by the Optuna sweeper when it prunes (storage None: not a pruned trial)"},
+    )
 
 
 def register_configs() -> None:
@@ -370,6 +385,32 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})"
         )
     check_eval(cfg.eval)
+    if cfg.optuna_trial.storage is not None:
+        check_pruning(cfg)
+
+
+def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
+    """Names of the metrics the periodic evaluation logs (sage.callbacks.PeriodicEval)."""
+    return [
+        f"eval/periodic/{name}/pass@{k}" for name in eval_cfg.datasets for k in (1, eval_cfg.every_n_samples)
+    ]
+
+
+def check_pruning(cfg: DictConfig) -> None:
+    """A pruned study needs intermediate values: the periodic evaluation, and a metric it logs."""
+    unset = [k for k, v in cfg.optuna_trial.items() if v is None]
+    if unset:
+        raise ConfigError(f"optuna_trial.{unset[0]} is not set (the Optuna sweeper sets all its keys)")
+    if not cfg.eval.every_steps:
+        raise ConfigError(
+            "hydra.sweeper.prune_on needs the periodic evaluation: set eval.every_steps (e.g. 10)"
+        )
+    allowed = periodic_metrics(cfg.eval)
+    if cfg.optuna_trial.metric not in allowed:
+        raise ConfigError(
+            f"hydra.sweeper.prune_on={cfg.optuna_trial.metric} is not a periodic metric of this run; "
+            f"choose from {allowed}"
+        )
 
 
 def check_eval(eval_cfg: DictConfig) -> None:

@@ -215,8 +215,32 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
             chat=cfg.model.chat,
             seed=cfg.seed,
         )
-        cbs.append(PeriodicEval(eval_rows, settings, cfg.eval.every_steps, cfg.eval.batch_size, tracker, out))
+        cbs.append(
+            PeriodicEval(
+                eval_rows,
+                settings,
+                cfg.eval.every_steps,
+                cfg.eval.batch_size,
+                tracker,
+                out,
+                trial=optuna_trial(cfg),
+            )
+        )
     return cbs
+
+
+def optuna_trial(cfg: DictConfig):
+    """The study trial this run reports to (an Optuna sweep with a pruner), else None. The pruner is the
+    sweeper's, from this job's Hydra config."""
+    if cfg.optuna_trial.storage is None:
+        return None
+    from hydra.utils import instantiate
+
+    from sage.callbacks import OptunaTrial
+
+    t = cfg.optuna_trial
+    pruner = instantiate(HydraConfig.get().sweeper.pruner)
+    return OptunaTrial(t.storage, t.study, t.number, t.metric, pruner)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -257,10 +281,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics: dict[str, float] = {}
         # The base model's cells are shared by every run that starts from it (same settings, same seed).
         to_evaluate = [("base", start_path, base_results_dir(start_path))]
+        pruned_at = None
         if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
+            callbacks = training_callbacks(cfg, tracker, eval_rows, out)
             final = rl(
                 cfg,
-                training_callbacks(cfg, tracker, eval_rows, out),
+                callbacks,
                 start_path,
                 dataset,
                 divergence,
@@ -269,12 +295,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 last,
                 out,
             )
-            metrics["train/steps"] = float(cfg.trainer.max_steps)
+            pruned_at = next((c.pruned_at for c in callbacks if getattr(c, "pruned_at", None)), None)
+            metrics["train/steps"] = float(pruned_at or cfg.trainer.max_steps)
             to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
             if tracker is not None:
                 tracker.set_tag("final_model", str(final))
+        if pruned_at is not None:  # the sweeper records the trial as pruned; its final numbers are moot
+            metrics["pruned_at_step"] = float(pruned_at)
+            if tracker is not None:
+                tracker.set_tag("pruned_at_step", str(pruned_at))
 
-        if cfg.eval.at_end:
+        if cfg.eval.at_end and pruned_at is None:
             max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
             table = {}
             for label, path, rdir in to_evaluate:

@@ -102,6 +102,13 @@ class OptunaSweeperConf:
             "choice(a,b,..) | range(a,b[,step]) | a fixed value"
         },
     )
+    prune_on: str | None = field(
+        default=None,
+        metadata={
+            "help": "periodic metric each trial reports to the pruner every eval.every_steps, e.g. "
+            "eval/periodic/arith_heldout/pass@1 (single objective only); None: no pruning"
+        },
+    )
     max_retries: int = field(default=1, metadata={"help": "re-runs of a failed trial's params"})
     max_failures: int = field(default=8, metadata={"help": "failed trials in one invocation before stopping"})
     sampler: Any = MISSING

@@ -17,8 +17,10 @@ How it runs a study:
 - Objectives: each name in ``objectives`` is read from the metrics dict the task function returns; with
   ``weights`` they are combined into one value (sum of weight * metric). With several objectives the
   result is the Pareto front, printed and written to ``<sweep dir>/optimization_results.yaml``.
-- Pruners are wired into the study, but sage-train does not report intermediate values yet, so a pruner
-  other than ``nop`` has nothing to act on.
+- Pruning: with a pruner and ``prune_on`` (a periodic metric, e.g. ``eval/periodic/arith_heldout/pass@1``,
+  with ``eval.every_steps`` set), every trial reports that metric to the study at each periodic evaluation
+  and stops when the pruner says so; the sweeper records it as PRUNED. Single objective only (Optuna does
+  not prune multi-objective studies).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class SageOptunaSweeper(Sweeper):
         max_failures: int,
         sampler: Any,
         pruner: Any,
+        prune_on: str | None = None,
     ) -> None:
         # Hydra instantiates the sweeper recursively: sampler and pruner arrive built (the grid sampler as a
         # partial still waiting for its grid).
@@ -113,6 +116,7 @@ class SageOptunaSweeper(Sweeper):
         self.max_failures = max_failures
         self.sampler = sampler
         self.pruner = pruner
+        self.prune_on = prune_on
         self.job_idx = 0
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -139,6 +143,26 @@ class SageOptunaSweeper(Sweeper):
             raise SweepError(
                 f"hydra.sweeper.directions has {len(self.directions)} entries, the study has {n_values} "
                 f"objective value(s) ({'weighted sum' if self.weights else ', '.join(self.objectives)})"
+            )
+        import optuna
+
+        prunes = not isinstance(self.pruner, optuna.pruners.NopPruner)
+        if prunes and self.prune_on is None:
+            raise SweepError(
+                "a pruner needs intermediate values: set hydra.sweeper.prune_on to a periodic metric "
+                "(e.g. eval/periodic/arith_heldout/pass@1) and eval.every_steps, "
+                "or use hydra/sweeper/pruner=nop"
+            )
+        if self.prune_on is not None and n_values != 1:
+            raise SweepError(
+                f"hydra.sweeper.prune_on needs a single objective value (Optuna does not prune "
+                f"multi-objective studies); this study has {n_values}: "
+                "set hydra.sweeper.weights or one objective"
+            )
+        if self.prune_on is not None and not prunes:
+            raise SweepError(
+                "hydra.sweeper.prune_on is set but the pruner is nop: "
+                "choose hydra/sweeper/pruner=median|hyperband"
             )
 
     def search_space(self, arguments: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -172,6 +196,16 @@ class SageOptunaSweeper(Sweeper):
             *(f"{k}={quote(v)}" for k, v in params.items()),
             f"++tracking.tags.study={quote(self.study_name)}",
             f"++tracking.tags.trial={quote(str(number))}",
+            *(
+                [
+                    f"optuna_trial.storage={quote(self.storage)}",
+                    f"optuna_trial.study={quote(self.study_name)}",
+                    f"optuna_trial.number={number}",
+                    f"optuna_trial.metric={quote(self.prune_on)}",
+                ]
+                if self.prune_on is not None
+                else []
+            ),
         ]
 
     def compose_samples(self, space: dict[str, Any], fixed: list[str]) -> None:
@@ -187,10 +221,19 @@ class SageOptunaSweeper(Sweeper):
                 samples.append({**low, k: d.high})
         for s in samples:
             try:
-                self.validate_batch_is_legal([self.trial_overrides(fixed, s, 0)])
+                cfg = self.hydra_context.config_loader.load_sweep_config(
+                    master_config=self.config, sweep_overrides=self.trial_overrides(fixed, s, 0)
+                )
             except Exception as e:
                 msg = " ".join(str(e).split("Config search path")[0].split())  # one line, no search path
                 raise SweepError(f"a trial of this sweep does not compose ({s}): {msg}") from e
+            if self.prune_on is not None:  # the trials must log the metric they will report
+                from sage.config import ConfigError, check_pruning
+
+                try:
+                    check_pruning(cfg)
+                except ConfigError as e:
+                    raise SweepError(f"a trial of this sweep cannot be pruned ({s}): {e}") from e
 
     # ---------------------------------------------------------------- the study
     def create_study(self, space: dict[str, Any]):
@@ -294,6 +337,11 @@ class SageOptunaSweeper(Sweeper):
                         study.enqueue_trial(
                             dict(t.params), user_attrs={"retry_of": t.number, "attempt": attempt + 1}
                         )
+                    continue
+                if isinstance(metrics, dict) and "pruned_at_step" in metrics:
+                    study.tell(t, state=TrialState.PRUNED)
+                    done += 1
+                    log.info("trial %d: %s pruned at step %d", t.number, t.params, metrics["pruned_at_step"])
                     continue
                 try:
                     vals = self.values(metrics, t.number)

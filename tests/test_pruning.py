@@ -1,0 +1,139 @@
+"""Optuna pruning: settings that cannot prune fail with one line before anything runs; in a real study
+(SQLite storage, local launcher, real testbed runs) each trial reports its periodic held-out pass@1 at every
+evaluation step, and a trial the median pruner judges worse stops early and is stored as PRUNED."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import CompactHydraException
+
+from hydra_plugins.sage_optuna_sweeper.sweeper import SageOptunaSweeper
+from sage.config import ConfigError, register_configs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+METRIC = "eval/periodic/arith_heldout/pass@1"
+register_configs()
+
+
+def cfg_for(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+TRIAL = ["optuna_trial.storage=sqlite:///x.db", "optuna_trial.study=s", "optuna_trial.number=0"]
+
+
+def test_a_pruned_trial_needs_the_periodic_evaluation_and_a_metric_it_logs():
+    with pytest.raises(ConfigError, match="eval.every_steps"):
+        validate(cfg_for(*TRIAL, f"optuna_trial.metric={METRIC}"))
+    with pytest.raises(ConfigError, match=r"not a periodic metric.*eval/periodic/arith_heldout/pass@8"):
+        validate(cfg_for(*TRIAL, "optuna_trial.metric=trained/arith_heldout/pass@1", "eval.every_steps=5"))
+    with pytest.raises(ConfigError, match="optuna_trial.metric is not set"):
+        validate(cfg_for(*TRIAL, "eval.every_steps=5"))
+    validate(cfg_for(*TRIAL, f"optuna_trial.metric={METRIC}", "eval.every_steps=5"))
+    validate(cfg_for())  # not a pruned trial: no requirement
+
+
+def sweeper(pruner, prune_on, objectives=("a",), weights=None, directions=("maximize",)):
+    return SageOptunaSweeper(
+        study_name="s",
+        storage="sqlite:///x.db",
+        n_trials=2,
+        n_jobs=1,
+        objectives=list(objectives),
+        weights=weights,
+        directions=list(directions),
+        params={},
+        max_retries=0,
+        max_failures=1,
+        sampler=optuna.samplers.RandomSampler(),
+        pruner=pruner,
+        prune_on=prune_on,
+    )
+
+
+def test_sweeper_settings_that_cannot_prune_are_refused():
+    # SweepError is a CompactHydraException; Hydra's plugin scan may import the sweeper module a second
+    # time, so the test names the stable base class rather than the module's own
+    SweepError = CompactHydraException  # noqa: N806
+    median = optuna.pruners.MedianPruner()
+    with pytest.raises(SweepError, match="set hydra.sweeper.prune_on"):
+        sweeper(median, None).check_settings()
+    with pytest.raises(SweepError, match="pruner is nop"):
+        sweeper(optuna.pruners.NopPruner(), METRIC).check_settings()
+    with pytest.raises(SweepError, match="single objective"):
+        sweeper(median, METRIC, objectives=("a", "b"), directions=("maximize", "maximize")).check_settings()
+    sweeper(median, METRIC, objectives=("a", "b"), weights=[1.0, 0.5]).check_settings()  # one weighted value
+    sweeper(median, METRIC).check_settings()
+    sweeper(optuna.pruners.NopPruner(), None).check_settings()
+    trial = sweeper(median, METRIC).trial_overrides(["x=1"], {"guide.ratio": 0.3}, 7)
+    assert "optuna_trial.number=7" in trial and f"optuna_trial.metric='{METRIC}'" in trial
+
+
+def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``sage-train -m`` with the median pruner (one startup trial) on a shrunken testbed run that evaluates
+    held-out pass@1 after every one of its 3 steps."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sage.train",
+            "-m",
+            "hydra/sweeper=optuna",
+            "hydra/sweeper/pruner=median",
+            "hydra.sweeper.pruner.n_startup_trials=1",
+            f"hydra.sweeper.prune_on={METRIC}",
+            "hydra.sweeper.objectives=[trained/arith_heldout/pass@1]",
+            "hydra.sweeper.directions=[maximize]",
+            "hydra.sweeper.study_name=pruning",
+            f"hydra.sweeper.storage=sqlite:///{tmp_path / 'study.db'}",
+            "hydra.sweeper.n_jobs=1",
+            "guide=branch",
+            "guide.ratio=choice(0.3)",
+            "trainer.max_steps=3",
+            "trainer.prompts_per_step=4",
+            "trainer.num_generations=4",
+            "eval.n_samples=4",
+            "eval.ks=[1,4]",
+            "eval.limit=8",
+            "eval.every_steps=1",
+            "eval.every_n_samples=8",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+@pytest.mark.slow
+def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
+    # trial 0 samples the held-out problems at temperature 1 and sets the median at every step
+    r = study(
+        tmp_path, "hydra.sweeper.n_trials=1", "eval.temperature=1.0", f"hydra.sweep.dir={tmp_path / 'a'}"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    # trial 1 samples them at temperature 8 (near-uniform tokens): far below that median at step 1
+    r = study(
+        tmp_path, "hydra.sweeper.n_trials=2", "eval.temperature=8.0", f"hydra.sweep.dir={tmp_path / 'b'}"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    trials = optuna.load_study(study_name="pruning", storage=f"sqlite:///{tmp_path / 'study.db'}").trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
+    assert sorted(trials[0].intermediate_values) == [1, 2, 3] and trials[0].intermediate_values[1] > 0
+    assert trials[1].intermediate_values == {1: pytest.approx(0.0, abs=0.05)}
+    # the pruned run stopped after its first step and skipped the end-of-run evaluation
+    metrics = (tmp_path / "b" / "0" / "metrics.json").read_text()
+    assert '"pruned_at_step": 1.0' in metrics and '"train/steps": 1.0' in metrics
+    assert "trained/arith_heldout/pass@1" not in metrics
+    assert "trial 1: {'guide.ratio': 0.3} pruned at step 1" in r.stdout + r.stderr
