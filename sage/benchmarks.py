@@ -1,10 +1,11 @@
-"""Benchmark loaders: every benchmark becomes rows ``{"id", "problem", "answer"}`` of strings.
+"""Benchmark loaders: every benchmark becomes rows ``{"id", "problem", "answer", "verifier"}`` of strings.
 
 Each benchmark stores its gold answer differently (a LaTeX string, a float, the last ``\\boxed{}`` of a
 worked solution, a sentence); this module turns them all into the answer text that `sage.rewards.grade`
-compares against, so the evaluator never needs to know where a problem came from. Every row is checked for
-its required fields before anything is converted, and a bad row fails with one line naming file, row and
-field rather than a KeyError deep inside an evaluation run.
+compares against, and names the rule it compares by (``verifier``: Math-Verify for the maths benchmarks,
+role assignments for Knights and Knaves), so the evaluator never needs to know where a problem came from.
+Every row is checked for its required fields before anything is converted, and a bad row fails with one
+line naming file, row and field rather than a KeyError deep inside an evaluation run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sage.rewards import last_boxed_content
+from sage.rewards import DEFAULT_VERIFIER, knights_knaves_assignment, last_boxed_content
 
 Row = dict[str, str]
 PathOrId = str | os.PathLike[str]
@@ -68,8 +69,14 @@ def _minerva_answer(row: RawRow) -> str:
 
 
 def _knights_knaves_answer(row: RawRow) -> str:
-    """The one-sentence-per-person solution ("(1) Zoey is a knave\\n(2) ..."), what K&K graders parse."""
-    return str(row["solution_text_format"]).strip()
+    """The one-sentence-per-person solution ("(1) Zoey is a knave\\n(2) ..."), what K&K graders parse;
+    checked here so that an unreadable gold answer fails at load time, not as a silent 0 when grading."""
+    text = str(row["solution_text_format"]).strip()
+    try:
+        knights_knaves_assignment(text)
+    except ValueError as error:
+        raise _RowProblem(f"field 'solution_text_format': {error}") from None
+    return text
 
 
 def _level(value: Any) -> int | None:
@@ -88,6 +95,8 @@ class _Spec:
     # Checked on every row before conversion; includes the fields `answer` and `keep` read.
     required: tuple[str, ...]
     keep: Callable[[RawRow], bool] = lambda row: True
+    # How answers are checked (a key of sage.rewards.VERIFIERS), carried by every row as "verifier".
+    verifier: str = DEFAULT_VERIFIER
 
 
 _AIME = _Spec("id", "problem", _aime_answer, ("id", "problem", "answer"))
@@ -109,7 +118,11 @@ BENCHMARKS: dict[str, _Spec] = {
     "minerva": _Spec("idx", "problem", _minerva_answer, ("idx", "problem", "solution")),
     # K-and-K/knights-and-knaves: subset "test" or "train", split "2ppl" ... "8ppl".
     "knights_knaves": _Spec(
-        "index", "quiz", _knights_knaves_answer, ("index", "quiz", "solution_text_format")
+        "index",
+        "quiz",
+        _knights_knaves_answer,
+        ("index", "quiz", "solution_text_format"),
+        verifier="knights_knaves",
     ),
 }
 
@@ -191,6 +204,7 @@ def _to_row(spec: _Spec, raw: RawRow, id_prefix: str) -> Row:
         "id": f"{id_prefix}{raw[spec.id_field]}",
         "problem": str(raw[spec.problem_field]),
         "answer": spec.answer(raw),
+        "verifier": spec.verifier,
     }
 
 
@@ -202,7 +216,7 @@ def load_benchmark(
     subset: str | None = None,
     limit: int | None = None,
 ) -> list[Row]:
-    """Rows `{"id", "problem", "answer"}` of benchmark `name` (a key of `BENCHMARKS`).
+    """Rows `{"id", "problem", "answer", "verifier"}` of benchmark `name` (a key of `BENCHMARKS`).
 
     `source` is a local .jsonl/.json/.parquet file or a hub id (`datasets.load_dataset(source, subset,
     split=split)`), or a list of them whose rows are concatenated in order: "aime" is

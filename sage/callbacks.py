@@ -1,5 +1,6 @@
 """Training-time callbacks that are not TRL's: held-out accuracy every N optimiser steps (Figure 2:
-train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by Math-Verify."""
+train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by each row's
+verifier (Math-Verify for the maths sets)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from transformers import TrainerCallback
 
 from sage.metrics import pass_at_k_curve
-from sage.rewards import grade
+from sage.rewards import grade, row_verifier
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class PeriodicEval(TrainerCallback):
                 )
                 correct = np.array(
                     [
-                        [grade(c, r["answer"]) == 1.0 for c in per_row]
+                        [grade(c, r["answer"], verifier=row_verifier(r)) == 1.0 for c in per_row]
                         for per_row, r in zip(completions, rows, strict=True)
                     ]
                 )

@@ -38,7 +38,7 @@ from sage.config import ConfigError
 from sage.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
 from sage.metrics import pass_at_k_curve
 from sage.prompts import make_prompt
-from sage.rewards import GradingPool
+from sage.rewards import GradingPool, row_verifier
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,8 @@ def evaluate_dataset(
     t_sample = time.perf_counter() - t0
     flat = [c for per_row in samples.completions for c in per_row]
     golds = [r["answer"] for r in rows for _ in range(s.n_samples)]
-    correct = np.asarray(pool.grade_many(flat, golds), dtype=bool).reshape(len(rows), s.n_samples)
+    verifiers = [row_verifier(r) for r in rows for _ in range(s.n_samples)]
+    correct = np.asarray(pool.grade_many(flat, golds, verifiers), dtype=bool).reshape(len(rows), s.n_samples)
     log.info(
         "%s: %d completions, %d tokens in %.1fs (%.0f tok/s), graded in %.1fs",
         cell.parent.name,
@@ -477,13 +478,19 @@ def full_curve(correct_by_seed: list[np.ndarray]) -> dict[str, list[float]]:
 
 
 def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
-    """Every eval dataset's rows, loaded up front so that a bad file fails before any sampling."""
+    """Every eval dataset's rows, loaded up front so that a bad file or an unknown verifier fails before any
+    sampling."""
     from sage.config import build
 
     rows = {}
     for name, node in datasets_cfg.items():
         loaded = build(node)
         rows[name] = loaded[:limit] if limit is not None else loaded
+        for row in rows[name]:
+            try:
+                row_verifier(row)
+            except ValueError as error:
+                raise ConfigError(f"eval.datasets.{name}: {error}") from None
     return rows
 
 

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -111,6 +111,27 @@ def last_boxed_content(text: str) -> str | None:
     return None
 
 
+def balanced_braces(text: str) -> bool:
+    """Whether the unescaped braces of `text` pair up (``\\{`` and ``\\}`` are literal set braces). An
+    unbalanced answer is malformed LaTeX: Math-Verify would still recover ``\\frac{14}{3}`` from
+    ``{{{\\frac{14}{3}`` and score it, but a malformed answer scores 0."""
+    depth = 0
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth < 0:
+                return False
+        i += 1
+    return depth == 0
+
+
 def extract_answer(completion: str) -> str | None:
     """The final answer: text between the last `<SOLUTION>` and the next `</SOLUTION>`, else (no solution
     tag at all) the last `\\boxed{}`. An unclosed last `<SOLUTION>` gives None rather than falling back to a
@@ -129,30 +150,89 @@ def _parse_gold(gold: str) -> list[Any]:
     return parse(f"\\boxed{{{gold}}}", extraction_config=_GOLD_CONFIG, parsing_timeout=None)
 
 
-def _equivalent(answer: str, gold: str) -> bool:
+def math_equivalent(answer: str, gold: str) -> bool:
+    """Math-Verify equivalence of two answers, both parsed as the content of a \\boxed{}."""
     predicted = parse(f"\\boxed{{{answer}}}", extraction_config=_PRED_CONFIG, parsing_timeout=None)
     return bool(verify(_parse_gold(gold), predicted, timeout_seconds=None))
 
 
-def grade_answer(answer: str | None, gold: str, *, timeout_s: float = GRADE_TIMEOUT_S) -> float:
-    """1.0 if the extracted `answer` is Math-Verify-equivalent to `gold`, else 0.0 (also for a missing,
-    oversized, unparseable or too-slow answer). Never raises, except KeyboardInterrupt/SystemExit."""
-    if not answer or len(answer) > MAX_ANSWER_CHARS:
+_KK_STATEMENT = r"\b{name}\s+is\s+an?\s+(knight|knave)\b"
+_KK_GOLD_LINE = re.compile(
+    r"^\s*(?:\(\d+\)\s*)?(?P<name>\S(?:.*\S)?)\s+is\s+an?\s+(?P<role>knight|knave)\s*\.?\s*$", re.IGNORECASE
+)
+
+
+def knights_knaves_assignment(gold: str) -> dict[str, str]:
+    """{name: "knight" | "knave"} of a Knights-and-Knaves solution in the dataset's format, one person per
+    line: "(1) Zoey is a knave\\n(2) Oliver is a knight". Raises ValueError naming a line it cannot read."""
+    assignment = {}
+    for line in gold.strip().splitlines():
+        match = _KK_GOLD_LINE.match(line)
+        if match is None:
+            raise ValueError(f"knights_knaves gold line {line!r} is not '(i) <name> is a knight|knave'")
+        assignment[match["name"]] = match["role"].lower()
+    if not assignment:
+        raise ValueError("knights_knaves gold answer is empty")
+    return assignment
+
+
+def knights_knaves_equivalent(answer: str, gold: str) -> bool:
+    """True when the answer assigns every person of the gold solution their role and no other.
+
+    The rule of the K&K graders (Logic-RL's ``parse_model_answer``): for each gold name, the answer must
+    state "<name> is a knight|knave"; an answer that states both roles for someone (hedging) is wrong, and
+    so is one that leaves anyone out. Case and extra wording around the statements do not matter."""
+    for name, role in knights_knaves_assignment(gold).items():
+        pattern = _KK_STATEMENT.format(name=re.escape(name))
+        stated = {m.lower() for m in re.findall(pattern, answer, flags=re.IGNORECASE)}
+        if stated != {role}:
+            return False
+    return True
+
+
+VERIFIERS: dict[str, Callable[[str, str], bool]] = {
+    "math": math_equivalent,
+    "knights_knaves": knights_knaves_equivalent,
+}
+"""How a row's answer is checked, by the name in its optional ``verifier`` field (default "math"): the
+benchmark loader sets it (sage.benchmarks), so a dataset is always graded by the rule it was made for."""
+DEFAULT_VERIFIER = "math"
+
+
+def row_verifier(row: Mapping[str, Any]) -> str:
+    """The verifier named by a data row (``DEFAULT_VERIFIER`` when it names none); ValueError naming the row
+    and the allowed names for an unknown one, so a bad row fails before any sampling."""
+    name = row.get("verifier", DEFAULT_VERIFIER)
+    if name not in VERIFIERS:
+        raise ValueError(f"row {row.get('id', '?')!r}: verifier {name!r} is not one of {sorted(VERIFIERS)}")
+    return name
+
+
+def grade_answer(
+    answer: str | None, gold: str, *, verifier: str = DEFAULT_VERIFIER, timeout_s: float = GRADE_TIMEOUT_S
+) -> float:
+    """1.0 if the extracted `answer` is equivalent to `gold` under `verifier` (a key of VERIFIERS), else
+    0.0 (also for a missing, oversized, unparseable or too-slow answer). Never raises for a bad answer, only
+    KeyboardInterrupt/SystemExit, and KeyError for an unknown verifier (a caller's bug, not model output)."""
+    equivalent = VERIFIERS[verifier]
+    if not answer or len(answer) > MAX_ANSWER_CHARS or not balanced_braces(answer):
         return 0.0
     try:
         with _deadline(timeout_s):
-            return 1.0 if _equivalent(answer, str(gold)) else 0.0
+            return 1.0 if equivalent(answer, str(gold)) else 0.0
     except (Exception, _GradeTimeout):
         return 0.0
 
 
-def grade(completion: str, gold: str, *, timeout_s: float = GRADE_TIMEOUT_S) -> float:
+def grade(
+    completion: str, gold: str, *, verifier: str = DEFAULT_VERIFIER, timeout_s: float = GRADE_TIMEOUT_S
+) -> float:
     """Score one completion against its gold answer: 1.0 if equivalent, else 0.0. Never raises."""
     try:
         answer = extract_answer(completion)
     except Exception:
         return 0.0
-    return grade_answer(answer, gold, timeout_s=timeout_s)
+    return grade_answer(answer, gold, verifier=verifier, timeout_s=timeout_s)
 
 
 def _completion_text(completion: str | list[dict[str, str]]) -> str:
@@ -188,16 +268,16 @@ _WORKER_MEMORY_BYTES = 4 << 30  # a power tower must raise MemoryError, not take
 
 
 def _worker_main(conn: Connection, timeout_s: float) -> None:
-    """Grade chunks of `(index, answer, gold)` and send `(index, score)` after every item, so that the
-    parent knows exactly which item a hung worker is stuck on."""
+    """Grade chunks of `(index, answer, gold, verifier)` and send `(index, score)` after every item, so that
+    the parent knows exactly which item a hung worker is stuck on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the pool
     resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, resource.RLIM_INFINITY))
     grade_answer("1", "1", timeout_s=_START_TIMEOUT_S)  # load antlr/sympy before reporting ready
     try:
         conn.send("ready")
         while (chunk := conn.recv()) is not None:
-            for index, answer, gold in chunk:
-                conn.send((index, grade_answer(answer, gold, timeout_s=timeout_s)))
+            for index, answer, gold, verifier in chunk:
+                conn.send((index, grade_answer(answer, gold, verifier=verifier, timeout_s=timeout_s)))
     except (EOFError, OSError):
         pass  # the parent is gone: nothing left to grade for
 
@@ -214,11 +294,12 @@ class _Worker:
 class GradingPool:
     """Grade many (completion, gold) pairs on `workers` processes, each call limited to `timeout_s`.
 
-    Completions are reduced to their extracted answer in the parent and identical (answer, gold) pairs are
-    graded once: of 256 samples of one problem most repeat a handful of answers. Work is sent in chunks to
-    amortise IPC. A call over its deadline scores 0 inside the worker; a worker that does not answer within
-    `timeout_s + 1 s` (stuck in C, or dead) is killed and replaced, its current item scores 0 and the rest
-    of its chunk is re-queued. Workers use the 'spawn' context, safe in a process that has loaded torch.
+    Completions are reduced to their extracted answer in the parent and identical (answer, gold,
+    verifier) items are graded once: of 256 samples of one problem most repeat a handful of answers. Work
+    is sent in chunks to amortise IPC. A call over its deadline scores 0 inside the worker; a worker that
+    does not answer within `timeout_s + 1 s` (stuck in C, or dead) is killed and replaced, its current item
+    scores 0 and the rest of its chunk is re-queued. Workers use the 'spawn' context, safe in a process
+    that has loaded torch.
     The constructor returns once every worker is warm; a replacement receives work only after it reports
     ready, so a worker's start-up (seconds of imports under load) never counts against a call's limit.
     """
@@ -283,24 +364,35 @@ class GradingPool:
             worker.conn.close()
         self._workers = []
 
-    def grade_many(self, completions: Sequence[str], golds: Sequence[str]) -> list[float]:
-        """Scores in the order of `completions`; never raises for bad completions."""
+    def grade_many(
+        self, completions: Sequence[str], golds: Sequence[str], verifiers: Sequence[str] | None = None
+    ) -> list[float]:
+        """Scores in the order of `completions`; `verifiers` names each one's rule (a key of VERIFIERS;
+        None: all "math"). Never raises for bad completions; an unknown verifier is a ValueError, raised
+        before anything is graded."""
         if len(completions) != len(golds):
             raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
+        if verifiers is None:
+            verifiers = [DEFAULT_VERIFIER] * len(golds)
+        if len(verifiers) != len(golds):
+            raise ValueError(f"{len(verifiers)} verifiers but {len(golds)} gold answers")
+        unknown = sorted(set(verifiers) - set(VERIFIERS))
+        if unknown:
+            raise ValueError(f"unknown verifier(s) {unknown}; known: {sorted(VERIFIERS)}")
         if not self._workers:
             raise RuntimeError("GradingPool is closed")
-        pair_index: dict[tuple[str, str], int] = {}
+        item_index: dict[tuple[str, str, str], int] = {}
         positions: list[int | None] = []
-        for completion, gold in zip(completions, golds, strict=True):
+        for completion, gold, verifier in zip(completions, golds, verifiers, strict=True):
             answer = _safe_extract(completion)
             if answer is None or len(answer) > MAX_ANSWER_CHARS:
                 positions.append(None)
                 continue
-            positions.append(pair_index.setdefault((answer, str(gold)), len(pair_index)))
-        scores = self._grade_unique(list(pair_index))
+            positions.append(item_index.setdefault((answer, str(gold), verifier), len(item_index)))
+        scores = self._grade_unique(list(item_index))
         return [0.0 if p is None else scores[p] for p in positions]
 
-    def _grade_unique(self, pairs: list[tuple[str, str]]) -> list[float]:
+    def _grade_unique(self, pairs: list[tuple[str, str, str]]) -> list[float]:
         scores = [0.0] * len(pairs)
         queue: deque[int] = deque(range(len(pairs)))
         outstanding = len(pairs)
@@ -325,7 +417,7 @@ class GradingPool:
                 self._workers[position] = self._replace(worker)
         return scores
 
-    def _dispatch(self, worker: _Worker, queue: deque[int], pairs: list[tuple[str, str]]) -> bool:
+    def _dispatch(self, worker: _Worker, queue: deque[int], pairs: list[tuple[str, str, str]]) -> bool:
         """Send the next chunk; False (chunk back on the queue) if the worker died while idle."""
         chunk = [queue.popleft() for _ in range(min(self.chunk_size, len(queue)))]
         try:

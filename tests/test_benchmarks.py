@@ -31,7 +31,8 @@ def test_row_counts_and_unique_ids(name: str, rows: int) -> None:
     loaded = load_benchmark(name, SOURCES[name])
     assert len(loaded) == rows
     assert len({row["id"] for row in loaded}) == rows
-    assert all(set(row) == {"id", "problem", "answer"} for row in loaded)
+    assert all(set(row) == {"id", "problem", "answer", "verifier"} for row in loaded)
+    assert {row["verifier"] for row in loaded} == {"math"}
     assert all(isinstance(v, str) and v for row in loaded for v in row.values())
 
 
@@ -150,3 +151,44 @@ def test_unreachable_hub_id_is_a_clear_one_line_error() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(BenchmarkUnavailable.__name__) or "BenchmarkUnavailable" in last
     assert "K-and-K/knights-and-knaves" in last and "split='3ppl'" in last
+
+
+# Two rows in the format of K-and-K/knights-and-knaves (subset "test"), with the fields the loader reads.
+KK_ROWS = [
+    {
+        "index": 0,
+        "quiz": "A very special island is inhabited only by knights and knaves. Knights always tell the "
+        "truth "
+        'and knaves always lie. You meet 2 inhabitants: Zoey, and Oliver. Zoey remarked, "Oliver is not a '
+        'knight". Oliver stated, "Oliver is a knight if and only if Zoey is a knave". So who is a knight '
+        "and who is a knave?",
+        "names": ["Zoey", "Oliver"],
+        "solution_text_format": "(1) Zoey is a knave\n(2) Oliver is a knight",
+    },
+    {
+        "index": 1,
+        "quiz": "... You meet 3 inhabitants: Mia Wong, Ella, and Jack. ...",
+        "names": ["Mia Wong", "Ella", "Jack"],
+        "solution_text_format": "(1) Mia Wong is a knight\n(2) Ella is a knave\n(3) Jack is a knight",
+    },
+]
+
+
+def test_knights_knaves_rows_carry_their_verifier(tmp_path: Path) -> None:
+    path = tmp_path / "kk.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in KK_ROWS))
+    rows = load_benchmark("knights_knaves", path)
+    assert [r["id"] for r in rows] == ["0", "1"]
+    assert rows[0]["answer"] == "(1) Zoey is a knave\n(2) Oliver is a knight"
+    assert {r["verifier"] for r in rows} == {"knights_knaves"}
+
+
+def test_unreadable_knights_knaves_gold_fails_at_load_naming_the_row(tmp_path: Path) -> None:
+    path = tmp_path / "kk.jsonl"
+    bad = {**KK_ROWS[1], "solution_text_format": "(1) Mia Wong is a knight\n(2) Ella lies"}
+    path.write_text("\n".join(json.dumps(r) for r in (KK_ROWS[0], bad)))
+    with pytest.raises(ValueError) as error:
+        load_benchmark("knights_knaves", path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: row 2: field 'solution_text_format'") and "'(2) Ella lies'" in message

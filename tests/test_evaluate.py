@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import sage.evaluate as ev
 from sage.evaluate import Samples, evaluate_model
@@ -64,8 +65,14 @@ class FakePool:
     def __exit__(self, *exc):
         return None
 
-    def grade_many(self, completions, golds):
-        return [grade(c.replace("RIGHT", g), g) for c, g in zip(completions, golds, strict=True)]
+    verifiers_seen: list[str] = []
+
+    def grade_many(self, completions, golds, verifiers):
+        FakePool.verifiers_seen.extend(verifiers)
+        return [
+            grade(c.replace("RIGHT", g), g, verifier=v)
+            for c, g, v in zip(completions, golds, verifiers, strict=True)
+        ]
 
 
 @pytest.fixture
@@ -171,6 +178,29 @@ def test_results_json_holds_full_curves_and_settings(checkpoint, sampler, tmp_pa
     assert a["summary"]["pass@4"] == pytest.approx(np.mean([m.any(axis=1).mean() for m in matrices]))
     assert a["settings"]["n_samples"] == 4 and a["settings"]["temperature"] == 1.0
     assert a["settings"]["seeds"] == [0, 1] and a["n_problems"] == 3
+
+
+def test_each_row_is_graded_by_its_verifier(checkpoint, sampler, tmp_path):
+    gold = "(1) Zoey is a knave\n(2) Oliver is a knight"
+    rows = {"kk": [{"id": "kk0", "problem": "who?", "answer": gold, "verifier": "knights_knaves"}]}
+    FakePool.verifiers_seen.clear()
+    res = run(checkpoint, tmp_path / "res", rows=rows)
+    assert set(FakePool.verifiers_seen) == {"knights_knaves"} and len(FakePool.verifiers_seen) == 8
+    # row 0, samples 0..3: seed 0 gets j = 0, 3 right, seed 1 gets j = 2
+    assert [m[0].tolist() for m in res["kk"]["correct"]] == [
+        [True, False, False, True],
+        [False, False, True, False],
+    ]
+
+
+def test_an_unknown_verifier_is_refused_before_any_sampling():
+    datasets = {
+        "mine": {"_target_": "builtins.list", "_args_": [[{"id": "r7", "answer": "1", "verifier": "code"}]]}
+    }
+    with pytest.raises(
+        ev.ConfigError, match=r"^eval\.datasets\.mine: row 'r7': verifier 'code' is not one of"
+    ):
+        ev.load_eval_rows(OmegaConf.create(datasets), limit=None)
 
 
 def test_local_benchmark_copies_default_next_to_the_repo(monkeypatch):

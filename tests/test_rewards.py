@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from sage.benchmarks import load_benchmark
-from sage.rewards import GradingPool, extract_answer, grade, math_verify_reward
+from sage.rewards import (
+    GradingPool,
+    extract_answer,
+    grade,
+    knights_knaves_equivalent,
+    math_verify_reward,
+    row_verifier,
+)
 
 DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 BENCHMARK_SOURCES: dict[str, Path | list[Path]] = {
@@ -73,6 +80,10 @@ def test_extract_answer(completion: str, expected: str | None) -> None:
         ("0.5", "\\frac{1}{2}", 1.0),
         ("\\boxed{27}", "27", 1.0),
         ("28", "27", 0.0),
+        ("{{{\\frac{14}{3}", "\\frac{14}{3}", 0.0),  # Math-Verify would recover the fraction: malformed is 0
+        ("\\frac{14}{3}}}", "\\frac{14}{3}", 0.0),
+        ("}\\frac{14}{3}{", "\\frac{14}{3}", 0.0),  # as many of each, in the wrong order
+        ("\\{1, 2\\}", "\\{1,2\\}", 1.0),  # escaped set braces are text, not grouping
     ],
 )
 def test_grade_equivalence(answer: str, gold: str, score: float) -> None:
@@ -81,6 +92,47 @@ def test_grade_equivalence(answer: str, gold: str, score: float) -> None:
 
 def test_grade_falls_back_to_last_boxed() -> None:
     assert grade("The answer is \\boxed{\\frac{1}{2}}.", "0.5") == 1.0
+
+
+KK_GOLD = "(1) Zoey is a knave\n(2) Oliver is a knight"
+
+
+@pytest.mark.parametrize(
+    ("answer", "score"),
+    [
+        ("(1) Zoey is a knave\n(2) Oliver is a knight", 1.0),
+        ("Oliver is a knight, and Zoey is a knave.", 1.0),  # order and wording around them are free
+        ("zoey is a KNAVE; oliver is a Knight", 1.0),  # case does not matter
+        ("Zoey is a knight\nOliver is a knight", 0.0),  # one role wrong
+        ("Zoey is a knave", 0.0),  # Oliver left out
+        ("Zoey is a knave or Zoey is a knight; Oliver is a knight", 0.0),  # hedging on Zoey
+        ("Zoey is a knave. Oliver is not a knight", 0.0),  # no statement "Oliver is a ..."
+        ("Zoeyy is a knave. Oliver is a knight", 0.0),  # another name is not Zoey
+        ("", 0.0),
+    ],
+)
+def test_knights_knaves_verifier(answer: str, score: float) -> None:
+    assert grade(_completion(answer), KK_GOLD, verifier="knights_knaves") == score
+
+
+def test_knights_knaves_gold_needs_the_kk_verifier() -> None:
+    """Math-Verify cannot read role assignments (it only matches the gold text verbatim), so a right answer
+    in other words would score 0 under the math rule: K&K rows must be graded by their own."""
+    reworded = _completion("Oliver is a knight and Zoey is a knave")
+    assert grade(reworded, KK_GOLD, verifier="math") == 0.0
+    assert grade(reworded, KK_GOLD, verifier="knights_knaves") == 1.0
+    assert knights_knaves_equivalent(
+        "Mia Wong is a knight. Ella is a knave", "(1) Mia Wong is a knight\n(2) Ella is a knave"
+    )
+
+
+def test_row_verifier_defaults_to_math_and_names_an_unknown_one() -> None:
+    assert row_verifier({"id": "a", "answer": "1"}) == "math"
+    assert row_verifier({"id": "a", "verifier": "knights_knaves"}) == "knights_knaves"
+    with pytest.raises(
+        ValueError, match=r"row 'a': verifier 'code' is not one of \['knights_knaves', 'math'\]"
+    ):
+        row_verifier({"id": "a", "verifier": "code"})
 
 
 def test_grade_works_outside_the_main_thread() -> None:
@@ -135,6 +187,39 @@ def test_every_gold_answer_self_verifies_and_a_different_answer_fails(
     ]
     assert not_self == []
     assert not_wrong == []
+
+
+def _malformed(gold: str) -> dict[str, str]:
+    """Malformed completions built around a problem's own gold answer: none states it properly."""
+    return {
+        "empty": "",
+        "cut off before </SOLUTION>": f"<start_working_out>so<end_working_out><SOLUTION>{gold}",
+        "unbalanced braces": f"<SOLUTION>{{{{{{{gold}</SOLUTION>",
+        "unclosed boxed": "<start_working_out>" + "\\boxed{" * 50 + gold,
+        "gold inside 10k digits": f"<SOLUTION>{'9' * 5000}{gold}{'9' * 5000}</SOLUTION>",
+        "answer is the word gold": "<SOLUTION>gold</SOLUTION>",
+    }
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark files not found in {DATA_DIR}")
+def test_malformed_completions_score_zero_on_every_benchmark_problem(
+    pool: GradingPool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """For each of the 872 problems, completions that mention its gold answer without stating it in the
+    expected format (cut off, unbalanced, unclosed, buried in 10k digits) score 0 and never raise; the
+    pool's per-call time limit is tested below with completions that would otherwise hang."""
+    rows = [row for name, source in BENCHMARK_SOURCES.items() for row in load_benchmark(name, source)]
+    cases = [
+        (row["id"], kind, text, row["answer"])
+        for row in rows
+        for kind, text in _malformed(row["answer"]).items()
+    ]
+    start = time.monotonic()
+    scores = pool.grade_many([c for _, _, c, _ in cases], [g for *_, g in cases])
+    elapsed = time.monotonic() - start
+    with capsys.disabled():
+        print(f"\n[grader] {len(cases)} malformed completions of the benchmark problems: {elapsed:.1f} s")
+    assert [(i, kind) for (i, kind, _, _), s in zip(cases, scores, strict=True) if s != 0] == []
 
 
 # --- adversarial output ---------------------------------------------------------------------------------
@@ -235,3 +320,18 @@ def test_pool_matches_grade_and_deduplicates() -> None:
         assert grading_pool.grade_many([], []) == []
         with pytest.raises(ValueError, match="2 completions but 1"):
             grading_pool.grade_many(["a", "b"], ["1"])
+
+
+def test_pool_grades_each_item_by_its_verifier() -> None:
+    kk_answer = _completion("Oliver is a knight and Zoey is a knave")
+    with GradingPool(workers=2, timeout_s=5.0) as grading_pool:
+        scores = grading_pool.grade_many(
+            [kk_answer, kk_answer, _completion("7"), _completion("7")],
+            [KK_GOLD, KK_GOLD, "7", "7"],
+            ["knights_knaves", "math", "math", "knights_knaves"],
+        )
+        assert scores == [1.0, 0.0, 1.0, 0.0]
+        with pytest.raises(ValueError, match=r"unknown verifier\(s\) \['code'\]"):
+            grading_pool.grade_many(["a"], ["1"], ["code"])
+        with pytest.raises(ValueError, match="1 verifiers but 2 gold answers"):
+            grading_pool.grade_many(["a", "b"], ["1", "2"], ["math"])
