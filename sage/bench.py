@@ -3,7 +3,9 @@
 timing is noisy), since other jobs share these two cores.
 
 - eval: sampled tokens/s of our evaluator's sampler vs the authors' approach (one ``generate`` call per
-  problem with num_return_sequences=n), same testbed model, problems, n and max length;
+  problem with num_return_sequences=n), same testbed model, problems, n and max length; and the time the
+  evaluator's grading pool takes on those completions relative to sampling them (grading must not be the
+  bottleneck);
 - overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved;
 - run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model.
 """
@@ -57,6 +59,7 @@ def bench_eval() -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sage.evaluate import HFSampler, SamplingSettings
+    from sage.rewards import GradingPool
     from sage.testbed.model import build_tiny_model
     from sage.testbed.task import heldout_rows
     from sage.train import CONF_DIR
@@ -65,26 +68,39 @@ def bench_eval() -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     max_new = 64  # model=tiny's max_completion_length: the training max length
-    ids = [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(PROBLEMS)]
+    rows = heldout_rows(PROBLEMS)
+    ids = [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in rows]
     # the testbed evaluation's own batch size (conf/eval/arith_heldout.yaml)
     batch_size = OmegaConf.load(Path(CONF_DIR) / "eval" / "arith_heldout.yaml").batch_size
     sampler = HFSampler(model, tokenizer, batch_size=batch_size)
-    ours, theirs = [], []
-    for seed in range(REPEATS):  # interleaved, so both see the same background load
-        s = SamplingSettings(SAMPLES, 1.0, 1.0, max_new, chat=False, seed=seed)
-        t0 = time.perf_counter()
-        n = sampler.sample(ids, s).n_tokens
-        ours.append(n / (time.perf_counter() - t0))
-        torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        n = _per_problem_generate(model, tokenizer, ids, SAMPLES, max_new)
-        theirs.append(n / (time.perf_counter() - t0))
+    golds = [r["answer"] for r in rows for _ in range(SAMPLES)]
+    ours, theirs, sample_s, grade_s = [], [], [], []
+    with GradingPool(workers=2) as pool:  # started once per evaluation: its start-up is not timed
+        for seed in range(REPEATS):  # interleaved, so both see the same background load
+            s = SamplingSettings(SAMPLES, 1.0, 1.0, max_new, chat=False, seed=seed)
+            t0 = time.perf_counter()
+            samples = sampler.sample(ids, s)
+            sample_s.append(time.perf_counter() - t0)
+            ours.append(samples.n_tokens / sample_s[-1])
+            # the evaluator's next step on the same completions: Math-Verify in the process pool
+            t0 = time.perf_counter()
+            pool.grade_many([c for per_row in samples.completions for c in per_row], golds)
+            grade_s.append(time.perf_counter() - t0)
+            torch.manual_seed(seed)
+            t0 = time.perf_counter()
+            n = _per_problem_generate(model, tokenizer, ids, SAMPLES, max_new)
+            theirs.append(n / (time.perf_counter() - t0))
     ours_tps, theirs_tps = statistics.median(ours), statistics.median(theirs)
     return {
         "eval_tokens_per_s_ours": round(ours_tps, 1),
         "eval_tokens_per_s_per_problem_generate": round(theirs_tps, 1),
         "eval_batch_size_ours": batch_size,
         "eval_speedup_vs_per_problem_generate": round(ours_tps / theirs_tps, 2),
+        "eval_sampling_s": round(statistics.median(sample_s), 2),
+        "eval_grading_s": round(statistics.median(grade_s), 2),
+        "eval_grading_over_sampling": round(
+            statistics.median([g / t for g, t in zip(grade_s, sample_s, strict=True)]), 3
+        ),
     }
 
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -232,6 +232,81 @@ def test_vllm_without_cuda_stops_with_one_line(tmp_path):
         "error: rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
     )
     assert not (tmp_path / "results.json").exists()
+
+
+class _FakeVllm:
+    """Records what VllmSampler asks of vLLM's offline API (LLM, SamplingParams, LoRARequest): the GPU
+    backend cannot run here, so its contract with vLLM is what this machine can check."""
+
+    def __init__(self):
+        self.engines: list[dict] = []
+        self.generate_calls: list[tuple] = []
+        fake = self
+
+        class LLM:
+            def __init__(self, **kwargs):
+                fake.engines.append(kwargs)
+
+            def generate(self, prompts, sampling_params, *, lora_request=None, use_tqdm=True):
+                fake.generate_calls.append((prompts, sampling_params, lora_request))
+                return [
+                    SimpleNamespace(
+                        outputs=[
+                            SimpleNamespace(text=f"p{i}s{j}", token_ids=list(range(j + 1)))
+                            for j in range(sp.n)
+                        ]
+                    )
+                    for i, sp in enumerate(sampling_params)
+                ]
+
+        class LoRARequest:
+            def __init__(self, name, int_id, path):
+                self.name, self.int_id, self.path = name, int_id, path
+
+        self.vllm = ModuleType("vllm")
+        self.vllm.LLM = LLM
+        self.vllm.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
+        self.lora = ModuleType("vllm.lora")
+        self.request = ModuleType("vllm.lora.request")
+        self.request.LoRARequest = LoRARequest
+
+
+def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_path, monkeypatch):
+    fake = _FakeVllm()
+    for name, module in (("vllm", fake.vllm), ("vllm.lora", fake.lora), ("vllm.lora.request", fake.request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "/models/base", "r": 8})
+    )
+    rollout = SimpleNamespace(use_vllm=True, vllm_gpu_memory_utilization=0.45, vllm_tensor_parallel_size=2)
+
+    sampler = ev.VllmSampler(ev.Checkpoint.resolve(str(adapter)), "bfloat16", rollout)
+    assert fake.engines == [
+        {
+            "model": "/models/base",  # the base model; the adapter is not merged but served as LoRA
+            "tokenizer": "/models/base",
+            "dtype": "bfloat16",
+            "enable_lora": True,
+            "max_lora_rank": 8,
+            "gpu_memory_utilization": 0.45,
+            "tensor_parallel_size": 2,
+        }
+    ]
+    s = ev.SamplingSettings(n_samples=4, temperature=0.3, top_p=0.95, max_new_tokens=16, chat=True, seed=2)
+    out = sampler.sample([[5, 6, 7], [8]], s)
+    assert len(fake.generate_calls) == 1  # every prompt and all its samples in one call
+    prompts, params, lora = fake.generate_calls[0]
+    assert prompts == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}]
+    assert [(p.n, p.temperature, p.top_p, p.max_tokens) for p in params] == [(4, 0.3, 0.95, 16)] * 2
+    assert len({p.seed for p in params}) == 2  # each problem its own random stream, derived from the seed
+    assert (lora.name, lora.path) == ("checkpoint", str(adapter))
+    assert out.completions == [[f"p{i}s{j}" for j in range(4)] for i in range(2)]
+    assert out.n_tokens == 2 * (1 + 2 + 3 + 4)
+
+    ev.VllmSampler(ev.Checkpoint.resolve("/models/full"), "float16", rollout)  # full weights: no LoRA
+    assert fake.engines[-1]["model"] == "/models/full" and fake.engines[-1]["enable_lora"] is False
 
 
 # ----------------------------------------------------------------------------------------- end to end
