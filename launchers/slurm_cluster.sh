@@ -325,6 +325,11 @@ cmd_start() {
         register_accounting
         start_slurmctld
         start_slurmd
+        # Jobs of a session that died with the cluster up were saved in StateSaveLocation and are requeued
+        # now; on this scratch cluster they would hold the node's CPUs against new work, so cancel them.
+        # (Not `slurmctld -c`: it also resets the job-id counter, and ids would repeat in accounting.)
+        local stale; stale="$(squeue -h -o %F | sort -u | tr '\n' ' ')"
+        if [ -n "$stale" ]; then log "cancelling jobs left by an earlier session: $stale"; scancel $stale || true; fi
         if ! wait_for node node_ready; then
             # A node left DOWN/DRAIN by an earlier unclean stop: bring it back once, then wait again.
             scontrol update NodeName="$(hostname -s)" State=RESUME >/dev/null 2>&1 || true

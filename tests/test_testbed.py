@@ -6,6 +6,8 @@ import json
 import operator
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -162,8 +164,40 @@ def test_model_cache_reuses_builds_and_separates_configs(tmp_path: Path) -> None
     assert info.stat().st_mtime_ns == first_mtime
     other = build_tiny_model(**{**TINY, "seed": 1}, cache_dir=str(tmp_path))
     assert other != path
-    assert sorted(p.name for p in Path(path).parent.iterdir()) == sorted([Path(path).name, Path(other).name])
+    builds = [p.name for p in Path(path).parent.iterdir() if not p.name.startswith(".")]  # not locks, tmp
+    assert sorted(builds) == sorted([Path(path).name, Path(other).name])
     assert json.loads(info.read_text())["config"]["train_steps"] == TINY["train_steps"]
+
+
+_COUNTED_BUILD = """
+import os, sys
+import sage.testbed.model as m
+train = m._train
+def counted(config):  # one line per training run, from whichever process runs it
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return train(config)
+m._train = counted
+print(m.build_tiny_model(**eval(sys.argv[3]), cache_dir=sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_builds_train_once_and_share_the_result(tmp_path: Path) -> None:
+    """Two jobs of a sweep on a cold cache: one trains, the other waits for it and loads its folder."""
+    trained = tmp_path / "trained.txt"
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COUNTED_BUILD, str(tmp_path / "cache"), str(trained), repr(TINY)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    paths = [job.communicate(timeout=600)[0].strip().splitlines()[-1] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0]
+    assert paths[0] == paths[1] and Path(paths[0], BUILD_INFO_FILE).is_file()
+    assert len(trained.read_text().splitlines()) == 1
 
 
 @pytest.mark.slow

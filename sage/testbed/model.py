@@ -8,6 +8,7 @@ every experiment of a sweep loads the same folder instead of retraining.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -85,6 +86,20 @@ def build_tiny_model(
         log.info("testbed model cached at %s", final)
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    # The jobs of a sweep on a cold cache all ask for the model at once: one builds it while the others
+    # wait on this lock and then load the result, instead of each training its own copy on shared cores.
+    # (The lock is released when its holder dies; the atomic rename below still guards file systems where
+    # flock does not reach across hosts.)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / BUILD_INFO_FILE).exists():
+            log.info("testbed model built by a concurrent job at %s", final)
+            return str(final)
+        return _build(config, final)
+
+
+def _build(config: dict, final: Path) -> str:
+    """Train the model of ``config`` and move it to ``final`` atomically."""
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         start = time.perf_counter()
