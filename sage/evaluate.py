@@ -222,9 +222,7 @@ class HFSampler:
         if self.decoder == "compact":
             # weights are packed per call: the periodic evaluation sees the current training weights
             decoder = CompactDecoder(self.model)
-            cache = self._compact_cache(
-                decoder, max(map(len, prompt_ids)) + s.max_new_tokens, len(prompt_ids) * s.n_samples
-            )
+            cache = self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
 
             def decode(prompts, copies):
                 return sample_batch(
@@ -257,8 +255,8 @@ class HFSampler:
         return Samples(out, n_tokens)
 
     def _compact_cache(self, decoder: CompactDecoder, slots: int, sequences: int) -> KVCache:
-        """The cache of the previous call if it is large enough, else a new one; refused up front if it
-        cannot fit in the memory available now."""
+        """The cache of the generated tokens (``slots`` per row) of the previous call if it is large
+        enough, else a new one; refused up front if it cannot fit in the memory available now."""
         rows = min(self.batch_size, sequences)
         if self._cache is not None and self._cache.slots >= slots and self._cache.rows >= rows:
             return self._cache
