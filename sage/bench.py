@@ -91,7 +91,8 @@ def bench_eval() -> dict[str, float]:
             n = _per_problem_generate(model, tokenizer, ids, SAMPLES, max_new)
             theirs.append(n / (time.perf_counter() - t0))
     # each repeat runs both back to back, so the median of the per-repeat ratios is less exposed to the
-    # machine's drifts (+-20% over minutes on a shared VM) than the ratio of the two medians
+    # machine's drifts (19k to 33k tokens/s for the same sampler within minutes on this VM) than the
+    # ratio of the two medians
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     return {
         "eval_tokens_per_s_ours": round(statistics.median(ours), 1),

@@ -52,10 +52,11 @@ class PeriodicEval(TrainerCallback):
                 completions = sample_completions(
                     model, processing_class, rows, self.settings, self.batch_size
                 )
+                verifiers = [row_verifier(r) for r in rows]
                 correct = np.array(
                     [
-                        [grade(c, r["answer"], verifier=row_verifier(r)) == 1.0 for c in per_row]
-                        for per_row, r in zip(completions, rows, strict=True)
+                        [grade(c, r["answer"], verifier=v) == 1.0 for c in per_row]
+                        for per_row, r, v in zip(completions, rows, verifiers, strict=True)
                     ]
                 )
                 n = self.settings.n_samples

@@ -166,8 +166,8 @@ class KVCache:
 class DecodeState:
     """A batch being decoded. Its rows occupy the first ``rows`` rows of ``cache`` (generated tokens); the
     prompts' keys and values are held once per distinct prompt, per layer, and ``owner`` says which
-    prompt each row samples from. ``prompt_real`` (prompts, width) is False on the
-    left padding of a prompt; ``position`` is each row's next position id."""
+    prompt each row samples from. ``prompt_real`` (prompts, width) is False on the left padding of a
+    prompt; ``position`` is each row's next position id."""
 
     cache: KVCache
     rows: int
@@ -182,13 +182,12 @@ class DecodeState:
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (ascending), moved to the front of the cache."""
         n, c = len(keep), self.cache
-        if self.filled:
-            moved = c.scratch[: self.filled * n * c.keys[0][0, 0].numel()].view(
-                self.filled, n, *c.keys[0].shape[2:]
-            )
-            for buf in (*c.keys, *c.values):
-                torch.index_select(buf[: self.filled, : self.rows], 1, keep, out=moved)
-                buf[: self.filled, :n] = moved
+        moved = c.scratch[: self.filled * n * c.keys[0][0, 0].numel()].view(
+            self.filled, n, *c.keys[0].shape[2:]
+        )
+        for buf in (*c.keys, *c.values):  # nothing to move before the first step (filled = 0)
+            torch.index_select(buf[: self.filled, : self.rows], 1, keep, out=moved)
+            buf[: self.filled, :n] = moved
         self.rows = n
         self.owner = self.owner.index_select(0, keep)
         self.position = self.position.index_select(0, keep)
@@ -416,8 +415,8 @@ class _PromptGrid:
     def __init__(self, owner: torch.Tensor, n_prompts: int) -> None:
         counts = torch.bincount(owner, minlength=n_prompts)  # (P,)
         starts = counts.cumsum(0) - counts
-        self.p, self.c, self.rows = n_prompts, int(counts.max()), len(owner)
-        rank = torch.arange(self.rows, device=owner.device) - starts[owner]
+        self.p, self.c = n_prompts, int(counts.max())
+        rank = torch.arange(len(owner), device=owner.device) - starts[owner]
         self.cell = owner * self.c + rank  # (B,) flat grid index of each row
 
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:

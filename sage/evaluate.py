@@ -428,7 +428,7 @@ def evaluate_dataset(
     t_sample = time.perf_counter() - t0
     flat = [c for per_row in samples.completions for c in per_row]
     golds = [r["answer"] for r in rows for _ in range(s.n_samples)]
-    verifiers = [row_verifier(r) for r in rows for _ in range(s.n_samples)]
+    verifiers = [v for r in rows for v in [row_verifier(r)] * s.n_samples]
     correct = np.asarray(pool.grade_many(flat, golds, verifiers), dtype=bool).reshape(len(rows), s.n_samples)
     log.info(
         "%s: %d completions, %d tokens in %.1fs (%.0f tok/s), graded in %.1fs",

@@ -87,6 +87,21 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def _brace_depths(text: str, start: int, depth: int) -> Iterator[tuple[int, int]]:
+    """(index, depth after it) of each unescaped brace of ``text[start:]``, counting from ``depth``;
+    ``\\{`` and ``\\}`` are literal braces and do not count."""
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char in "{}":
+            depth += 1 if char == "{" else -1
+            yield i, depth
+        i += 1
+
+
 def last_boxed_content(text: str) -> str | None:
     """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces (`\\{` does not count), or
     None when there is none or the last one is unclosed (a truncated generation has no final answer)."""
@@ -94,20 +109,9 @@ def last_boxed_content(text: str) -> str | None:
     if not openers:
         return None
     start = openers[-1].end()
-    depth = 1
-    i = start
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i]
-        i += 1
+    for i, depth in _brace_depths(text, start, 1):
+        if depth == 0:
+            return text[start:i]
     return None
 
 
@@ -116,19 +120,9 @@ def balanced_braces(text: str) -> bool:
     unbalanced answer is malformed LaTeX: Math-Verify would still recover ``\\frac{14}{3}`` from
     ``{{{\\frac{14}{3}`` and score it, but a malformed answer scores 0."""
     depth = 0
-    i = 0
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth < 0:
-                return False
-        i += 1
+    for _, depth in _brace_depths(text, 0, 0):
+        if depth < 0:
+            return False
     return depth == 0
 
 
