@@ -10,12 +10,15 @@ every step) and the mask/rotary bookkeeping. Here
 - rotary embedding is one complex multiplication: the q/k output features of each head are permuted so
   that each rotated pair (i, i + head_dim/2) is adjacent. Queries and keys get the same permutation, so
   their dot products, and everything after them, are unchanged;
-- a prompt's keys and values are computed and stored once, not copied to each of its n samples, and a
-  step attends to them with one product per prompt over all its samples' queries (``CompactDecoder.
-  step``): reading keys and values is what bounds a decode step here, and a prompt is read once;
+- a prompt's keys and values are computed and stored once, not copied to each of its n samples;
 - the cache of the generated tokens is preallocated at its final length, slot-major, and written in
   place; finished sequences are dropped from the batch once a quarter of it has finished, since every
-  drop moves the cache.
+  drop moves the cache;
+- a step's attention (each row's query against its prompt's keys and its own generated keys, one
+  softmax) is one fused C++ kernel, ``torch.ops.sage.decode_attention`` (``sage/kernels``), built on
+  first use. In torch ops it is a batched matrix-vector product per (row, head), where MKL's per-product
+  overhead and strided reads made it a third of a step; those ops remain as ``attention="torch"``, the
+  path taken (and logged by the evaluator) where the kernel cannot be built.
 
 The model's own rotary module gives cos/sin, so every RoPE variant is covered; RMSNorm and softmax run in
 float32 as in transformers. ``tests/test_decode.py`` checks logits against the model's forward pass at
@@ -32,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+ATTENTION = ("auto", "kernel", "torch")
+"""How a step attends: the C++ kernel, torch ops, or the kernel when it can be built (else torch ops)."""
 COMPACT_WHEN_FINISHED = 0.25
 """Fraction of finished rows in the batch at which they are dropped (a drop moves the whole cache)."""
 
@@ -172,8 +177,8 @@ class DecodeState:
     cache: KVCache
     rows: int
     owner: torch.Tensor  # (rows,) long
-    prompt_keys: list[torch.Tensor]  # per layer (P * kv, D, W), transposed for the product with queries
-    prompt_values: list[torch.Tensor]  # per layer (P * kv, W, D)
+    prompt_keys: list[torch.Tensor]  # per layer (P, kv, W, D)
+    prompt_values: list[torch.Tensor]  # per layer (P, kv, W, D)
     prompt_real: torch.Tensor  # (P, W) bool
     position: torch.Tensor  # (rows,) long
     filled: int  # generated slots written so far (the same for every row)
@@ -194,13 +199,26 @@ class DecodeState:
 
 
 class CompactDecoder:
-    """Prefill and one-token steps for a supported model (see :func:`unsupported_reason`)."""
+    """Prefill and one-token steps for a supported model (see :func:`unsupported_reason`). ``attention``
+    is one of :data:`ATTENTION`; with "auto", ``attention_fallback`` says why the kernel is not used (None
+    when it is)."""
 
     @torch.no_grad()
-    def __init__(self, model) -> None:
+    def __init__(self, model, attention: str = "auto") -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"compact decoder: {reason}")
+        if attention not in ATTENTION:
+            raise ValueError(f"compact decoder: attention {attention!r} is not one of {list(ATTENTION)}")
+        self.attention_fallback = None
+        if attention != "torch":
+            from sage.kernels import decode_attention_unavailable
+
+            unavailable = decode_attention_unavailable()
+            if unavailable is not None and attention == "kernel":
+                raise RuntimeError(f"compact decoder: decode attention kernel unavailable: {unavailable}")
+            self.attention_fallback = unavailable
+        self.attention = "torch" if attention == "torch" or self.attention_fallback else "kernel"
         cfg = model.config
         base = model.model
         attn0 = base.layers[0].self_attn
@@ -328,10 +346,10 @@ class CompactDecoder:
         for layer in self.layers:
             q, k, v = self._qkv(x, layer, rotation)  # (P * W, heads or kv, D)
             k, v = k.view(p, width, kv, d), v.view(p, width, kv, d)
-            # one copy per prompt, laid out for the steps' products: (P * kv, D, W) and (P * kv, W, D);
-            # cloned, as the reshape can be a view (kv = 1) and v lives in a buffer the next layer reuses
-            prompt_keys.append(k.permute(0, 2, 3, 1).reshape(p * kv, d, width).clone())
-            prompt_values.append(v.permute(0, 2, 1, 3).reshape(p * kv, width, d).clone())
+            # one copy per prompt, (P, kv, W, D): cloned, as v lives in a buffer the next layer reuses
+            # (and .contiguous() would return it as it is when kv = 1)
+            prompt_keys.append(k.permute(0, 2, 1, 3).clone(memory_format=torch.contiguous_format))
+            prompt_values.append(v.permute(0, 2, 1, 3).clone(memory_format=torch.contiguous_format))
             # grouped-query attention without repeating keys: queries as (P, kv, group, W, D)
             q = q.view(p, width, kv, group, d).permute(0, 2, 3, 1, 4)
             k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # (P, kv, 1, W, D)
@@ -355,20 +373,13 @@ class CompactDecoder:
 
     @torch.inference_mode()
     def step(self, state: DecodeState, ids: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (rows,); returns the next-token logits (rows, vocab).
-
-        Attention has two parts that share one softmax: the row's generated tokens (its own cache rows)
-        and its prompt, whose keys and values are stored once per prompt. For the prompt part the rows
-        of each prompt (consecutive) are laid out as a (prompts, c) grid, c the most rows any prompt has
-        left, so that one batched product per layer multiplies each prompt's keys by the queries of all
-        its samples at once: the prompt is read once per prompt and step, not once per sample (n = 64-256
-        of them), and reading keys is what bounds a decode step on a CPU."""
+        """Feed one token per row (rows,); returns the next-token logits (rows, vocab). Attention has two
+        parts that share one softmax: the row's generated tokens (its own cache rows) and its prompt,
+        whose keys and values are stored once per prompt."""
         b, slot = state.rows, state.filled
         end = slot + 1
         kv, group, d = self.n_kv, self.n_heads // self.n_kv, self.head_dim
-        p, width = state.prompt_real.shape
-        grid = _PromptGrid(state.owner, p)
-        pad_mask = ~state.prompt_real[state.owner][:, None, None, :] if state.padded else None  # (B,1,1,W)
+        torch_attention = _TorchAttention(state) if self.attention == "torch" else None
         x = F.embedding(ids, self.embed)  # (B, H)
         rotation = self._rotation(x, state.position)
         for i, layer in enumerate(self.layers):
@@ -383,28 +394,62 @@ class CompactDecoder:
             )
             values[slot, :b] = v.view(b, kv, d)
             q = q.view(b, kv, group, d)
-            prompt_scores = grid.from_grid(
-                torch.bmm(grid.to_grid(q), state.prompt_keys[i]), (kv, group, width)
-            )  # (B, kv, g, W)
-            if pad_mask is not None:
-                prompt_scores = prompt_scores.masked_fill(pad_mask, float("-inf"))
-            # generated part: (B * kv, g, S) from (B * kv, D, S) views of the cache, no copy
-            own_scores = torch.bmm(
-                q.view(b * kv, group, d), keys[:end, :b].permute(1, 2, 3, 0).reshape(b * kv, d, end)
-            )
-            probs = _softmax(torch.cat([prompt_scores.view(b * kv, group, width), own_scores], dim=-1))
-            out = torch.bmm(probs[..., width:], values[:end, :b].permute(1, 2, 0, 3).reshape(b * kv, end, d))
-            from_prompt = grid.from_grid(
-                torch.bmm(
-                    grid.to_grid(probs[..., :width].reshape(b, kv, group, width)), state.prompt_values[i]
-                ),
-                (kv, group, d),
-            )  # (B, kv, g, D)
-            out = out.view(b, kv, group, d) + from_prompt
+            if torch_attention is None:
+                out = torch.ops.sage.decode_attention(
+                    q,
+                    state.prompt_keys[i],
+                    state.prompt_values[i],
+                    state.prompt_real,
+                    state.owner,
+                    keys,
+                    values,
+                    end,
+                )
+            else:
+                out = torch_attention(q, i, end)
             x = self._mlp(_add_linear(x, out.view(b, -1), layer.o_w, layer.o_b), layer)
         state.filled = end
         state.position = state.position + 1
         return self._logits(x)
+
+
+class _TorchAttention:
+    """A step's attention in torch ops (the kernel's reference, and the path where it cannot be built).
+    For the prompt part the rows of each prompt (consecutive) are laid out as a (prompts, c) grid, c the
+    most rows any prompt has left, so that one batched product per layer multiplies each prompt's keys
+    by the queries of all its samples at once: the prompt is read once per prompt and step, not once per
+    sample (n = 64-256 of them)."""
+
+    def __init__(self, state: DecodeState) -> None:
+        self.state = state
+        p, self.width = state.prompt_real.shape
+        self.grid = _PromptGrid(state.owner, p)
+        # (B, 1, 1, W), True on padding
+        self.pad_mask = ~state.prompt_real[state.owner][:, None, None, :] if state.padded else None
+
+    def __call__(self, q: torch.Tensor, layer: int, end: int) -> torch.Tensor:
+        """(B, kv, g, D) outputs of queries q (B, kv, g, D) at ``layer``, slots [0, end) written."""
+        state, grid, width = self.state, self.grid, self.width
+        b, kv, group, d = q.shape
+        keys, values = state.cache.keys[layer], state.cache.values[layer]
+        prompt_keys = state.prompt_keys[layer].view(-1, width, d).transpose(1, 2)  # (P * kv, D, W)
+        prompt_scores = grid.from_grid(torch.bmm(grid.to_grid(q), prompt_keys), (kv, group, width))
+        if self.pad_mask is not None:
+            prompt_scores = prompt_scores.masked_fill(self.pad_mask, float("-inf"))  # (B, kv, g, W)
+        # generated part: (B * kv, g, S) from (B * kv, D, S) views of the cache, no copy
+        own_scores = torch.bmm(
+            q.view(b * kv, group, d), keys[:end, :b].permute(1, 2, 3, 0).reshape(b * kv, d, end)
+        )
+        probs = _softmax(torch.cat([prompt_scores.view(b * kv, group, width), own_scores], dim=-1))
+        out = torch.bmm(probs[..., width:], values[:end, :b].permute(1, 2, 0, 3).reshape(b * kv, end, d))
+        from_prompt = grid.from_grid(
+            torch.bmm(
+                grid.to_grid(probs[..., :width].reshape(b, kv, group, width)),
+                state.prompt_values[layer].view(-1, width, d),
+            ),
+            (kv, group, d),
+        )  # (B, kv, g, D)
+        return out.view(b, kv, group, d) + from_prompt
 
 
 class _PromptGrid:

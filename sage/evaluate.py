@@ -202,6 +202,7 @@ class HFSampler:
         if reason is not None:
             log.warning("evaluation decodes with transformers' forward (slower): compact decoder: %s", reason)
         self._cache: KVCache | None = None  # reused across calls: fresh pages cost a fault on first touch
+        self._fallback_logged = False
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, tokenizer, dtype: str, batch_size: int) -> HFSampler:
@@ -222,6 +223,12 @@ class HFSampler:
         if self.decoder == "compact":
             # weights are packed per call: the periodic evaluation sees the current training weights
             decoder = CompactDecoder(self.model)
+            if decoder.attention_fallback is not None and not self._fallback_logged:
+                log.warning(
+                    "evaluation attends with torch ops (about 1.3x slower on the testbed): %s",
+                    decoder.attention_fallback,
+                )
+                self._fallback_logged = True
             cache = self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
 
             def decode(prompts, copies):

@@ -129,13 +129,14 @@ def eos_of(model) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ teacher forcing
-def check_teacher_forcing(model, prompts, copies, *, n_steps=9, drops=None, seed=0):
+def check_teacher_forcing(model, prompts, copies, *, n_steps=9, drops=None, seed=0, attention="kernel"):
     """Prefill ``prompts`` (copies[i] rows each), feed random tokens (different in every row) through
     ``step``, dropping rows with ``DecodeState.select`` before the steps named in ``drops`` ({step: kept
     batch indices}); every logits row must equal the model's forward pass over that row's unpadded
     sequence, at the matching position."""
     drops = drops or {}
-    decoder = CompactDecoder(model)
+    decoder = CompactDecoder(model, attention=attention)
+    assert decoder.attention == attention
     width, total = max(map(len, prompts)), sum(copies)
     cache = decoder.cache(width + n_steps, total + 2)  # larger than needed, as the evaluator's reused one
     for buf in (*cache.keys, *cache.values):
@@ -175,8 +176,12 @@ PROMPT_LENGTHS, COPIES = [5, 9, 2], [2, 1, 3]
 DROPS = {3: [1, 3, 4, 5], 6: [0, 3]}
 
 
+ATTENTIONS = pytest.mark.parametrize("attention", ["kernel", "torch"])
+
+
+@ATTENTIONS
 @pytest.mark.parametrize("name", list(RANDOM_MODELS))
-def test_logits_equal_the_forward_pass_on_random_models(name):
+def test_logits_equal_the_forward_pass_on_random_models(name, attention):
     torch.manual_seed(0)
     model = randomised(RANDOM_MODELS[name]())
     assert unsupported_reason(model) is None
@@ -185,28 +190,32 @@ def test_logits_equal_the_forward_pass_on_random_models(name):
         assert model.model.rotary_emb.inv_freq[0] < 1.0
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    sequences = check_teacher_forcing(model, prompts, COPIES, drops=DROPS)
+    sequences = check_teacher_forcing(model, prompts, COPIES, drops=DROPS, attention=attention)
     # the surviving rows ran every step; the dropped ones stopped where they were dropped
     grown = [len(s) - len(prompts[i]) for s, i in zip(sequences, [0, 0, 1, 2, 2, 2], strict=True)]
     assert grown == [3, 8, 3, 6, 6, 8]
 
 
-def test_logits_equal_the_forward_pass_without_padding():
+@ATTENTIONS
+def test_logits_equal_the_forward_pass_without_padding(attention):
     """Prompts of one length take the unmasked attention path."""
     model = randomised(RANDOM_MODELS["qwen2_gqa"]())
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(VOCAB, (6,), generator=g).tolist() for _ in range(2)]
-    check_teacher_forcing(model, prompts, [3, 2], drops={2: [0, 2, 4]})
+    check_teacher_forcing(model, prompts, [3, 2], drops={2: [0, 2, 4]}, attention=attention)
 
 
 @pytest.mark.slow
+@ATTENTIONS
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "equal_lengths"])
-def test_logits_equal_the_forward_pass_on_the_testbed(testbed, padded):
+def test_logits_equal_the_forward_pass_on_the_testbed(testbed, padded, attention):
     model, tokenizer = testbed
     prompts = heldout_ids(tokenizer, 3)
     if padded:
         prompts = [prompts[0], prompts[1][:5], prompts[2][:3]]
-    check_teacher_forcing(model, prompts, COPIES, n_steps=12, drops={3: [1, 3, 4, 5], 8: [0, 3]})
+    check_teacher_forcing(
+        model, prompts, COPIES, n_steps=12, drops={3: [1, 3, 4, 5], 8: [0, 3]}, attention=attention
+    )
 
 
 # --------------------------------------------------------------------------------------- greedy / sampling

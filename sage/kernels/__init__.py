@@ -1,0 +1,85 @@
+"""C++ kernels of the CPU evaluator, compiled on first use by torch's extension builder (a C++ compiler
+with OpenMP, and ninja) into ``<sage cache>/kernels`` and registered as ``torch.ops.sage.*``.
+
+One kernel so far, ``decode_attention`` (``decode_attention.cpp``): the attention of a decode step of
+:class:`sage.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
+version, so an edited kernel or another torch never loads a stale library; torch's builder locks the
+build folder, so concurrent jobs on a cold cache build it once."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+
+def compiler_flags() -> list[str]:
+    """-O3 with OpenMP (torch's ``parallel_for`` in a header is a serial loop without it), the reordering
+    of float sums that lets the compiler vectorise the dot products, and AVX2/FMA when torch itself runs
+    its AVX2 kernels on this CPU."""
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros"]
+    flags.append("-fno-trapping-math")
+    if torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's builder runs ``ninja`` from PATH; the one pip installed next to this interpreter is not on
+    it when a venv's scripts are run without activating the venv."""
+    here = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is not None or not (Path(here) / "ninja").exists():
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = here + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@functools.cache
+def decode_attention_unavailable() -> str | None:
+    """None once ``torch.ops.sage.decode_attention`` is loaded (built on first use on a machine, ~20 s),
+    else the reason it cannot be (the builder's first error line)."""
+    from torch.utils.cpp_extension import load
+
+    from sage.testbed.model import default_cache_dir
+
+    flags = compiler_flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*flags, torch.__version__]).encode()).hexdigest()
+    name = f"sage_decode_attention_{key[:12]}"
+    build_dir = default_cache_dir() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build_dir.glob("*.so"))
+    if fresh:
+        log.info("building the decode attention kernel into %s (once per machine)", build_dir)
+    try:
+        with _ninja_on_path():
+            load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as err:  # the builder raises RuntimeError/OSError/CalledProcessError with the cause
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        errors = [line for line in lines if "error:" in line]  # the compiler's diagnostic, if any
+        return f"{type(err).__name__}: {(errors or lines or ['no message'])[0]}"
+    return None
