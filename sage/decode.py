@@ -143,8 +143,10 @@ def _linear_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.T
 
 
 def _add_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + a @ w.T (+ b), the residual add fused into the matrix product when there is no bias."""
-    return torch.addmm(x, a, w.t()) if b is None else x + F.linear(a, w, b)
+    """x += a @ w.T (+ b), in place: x is the residual stream, which the decoder owns. Out of place, the
+    product first copies x into its output, an extra pass over the batch's activations (~4% of a step)."""
+    x.addmm_(a, w.t())
+    return x if b is None else x.add_(b)
 
 
 class KVCache:
