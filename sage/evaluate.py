@@ -182,7 +182,8 @@ class HFSampler:
     Llama-family models (Qwen2, Llama, Mistral) are decoded by :class:`sage.decode.CompactDecoder`, which
     computes the model's forward pass op for op with fused projections and a preallocated cache; any other
     model (or a PEFT-wrapped one) by the same loop around transformers' own forward, at about half the
-    speed. Both sample the same distribution; the choice and its reason are logged."""
+    speed. Both sample the same distribution; the choice and its reason are logged, as is the compact
+    decoder's fallback to torch-ops attention where its C++ kernel cannot be built."""
 
     def __init__(self, model, tokenizer, batch_size: int) -> None:
         self.model = model
