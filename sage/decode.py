@@ -16,8 +16,9 @@ every step) and the mask/rotary bookkeeping. Here
   drop moves the cache;
 - a step's attention (each row's query against its prompt's keys and its own generated keys, one
   softmax) is one fused C++ kernel, ``torch.ops.sage.decode_attention`` (``sage/kernels``), built on
-  first use. In torch ops it is a batched matrix-vector product per (row, head), where MKL's per-product
-  overhead and strided reads made it a third of a step; those ops remain as ``attention="torch"``, the
+  first use. In torch ops it is a batched matrix-vector product per (row, head), whose per-product
+  overhead and strided reads grew a testbed step from 86 ms at the first slot to 137 ms at the 25th; those
+  ops remain as ``attention="torch"``, the
   path taken (and logged by the evaluator) where the kernel cannot be built.
 
 The model's own rotary module gives cos/sin, so every RoPE variant is covered; RMSNorm and softmax run in

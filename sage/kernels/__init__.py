@@ -28,8 +28,8 @@ def compiler_flags() -> list[str]:
     """-O3 with OpenMP (torch's ``parallel_for`` in a header is a serial loop without it), the reordering
     of float sums that lets the compiler vectorise the dot products, and AVX2/FMA when torch itself runs
     its AVX2 kernels on this CPU."""
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros"]
-    flags.append("-fno-trapping-math")
+    flags = ["-O3", "-fopenmp"]
+    flags += ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
     if torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
         flags += ["-mavx2", "-mfma"]
     return flags
@@ -54,7 +54,7 @@ def _ninja_on_path():
 @functools.cache
 def decode_attention_unavailable() -> str | None:
     """None once ``torch.ops.sage.decode_attention`` is loaded (built on first use on a machine, ~20 s),
-    else the reason it cannot be (the builder's first error line)."""
+    else the reason it cannot be (the compiler's error line, else the builder's first line)."""
     from torch.utils.cpp_extension import load
 
     from sage.testbed.model import default_cache_dir
@@ -64,8 +64,7 @@ def decode_attention_unavailable() -> str | None:
     name = f"sage_decode_attention_{key[:12]}"
     build_dir = default_cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not any(build_dir.glob("*.so"))
-    if fresh:
+    if not any(build_dir.glob("*.so")):
         log.info("building the decode attention kernel into %s (once per machine)", build_dir)
     try:
         with _ninja_on_path():
