@@ -6,8 +6,7 @@
 // ~0.14 us of overhead each (2.8 ms for 20480 of them at 4 slots), the cache read at 2-3 GB/s. Here rows
 // are taken in blocks of consecutive rows: at a given slot the cache holds a block's keys as one
 // contiguous run, so the pass over the cache streams memory, and the products, the softmax and the
-// weighted sum of values are
-// fused with no temporary beyond the block's scores.
+// weighted sum of values are fused with no temporary beyond the block's scores.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
