@@ -2,7 +2,7 @@
 
     PPL(y | x) = exp( -(1/|y|) sum_t log pi_base(y_t | x, y_<t) )
 
-The prompt x is rebuilt exactly as evaluation built it (``sage.evaluate.prompt_texts`` on the rows of the
+The prompt x is rebuilt exactly as evaluation built it (``sage.eval.evaluate.prompt_texts`` on the rows of the
 run's own ``eval.datasets`` config, first ``eval.limit``), tokenised without special tokens as the sampler
 did. The completion is re-tokenised from its text (the artifact stores text; the sampler dropped the end
 token), so y has no end-of-sequence token. Empty completions have no perplexity and are skipped.

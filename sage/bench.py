@@ -58,11 +58,11 @@ def bench_eval() -> dict[str, float]:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sage.evaluate import HFSampler, SamplingSettings
-    from sage.rewards import GradingPool
+    from sage.data.verifiers import GradingPool
+    from sage.eval.evaluate import HFSampler, SamplingSettings
+    from sage.paths import CONF_DIR
     from sage.testbed.model import build_tiny_model
     from sage.testbed.task import heldout_rows
-    from sage.train import CONF_DIR
 
     path = build_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(path)

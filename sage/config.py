@@ -120,7 +120,7 @@ class ArithDataConfig:
 
 @dataclass
 class MathDataConfig:
-    _target_: str = "sage.data.math_prompts"
+    _target_: str = "sage.data.datasets.math_prompts"
     source: str = MISSING
     split: str = "train"
     problem_field: str = "prompt"
@@ -147,7 +147,7 @@ class AlgorithmConfig:
 # ---------------------------------------------------------------- divergence
 @dataclass
 class ReverseKLConfig:
-    _target_: str = "sage.divergences.ReverseKL"
+    _target_: str = "sage.objective.divergences.ReverseKL"
     beta: float = 0.05
     estimator: Estimator = field(default=Estimator.k3, metadata={"help": "see sage/divergences.py"})
     importance_weighted: bool = field(
@@ -157,25 +157,25 @@ class ReverseKLConfig:
 
 @dataclass
 class ForwardKLConfig:
-    _target_: str = "sage.divergences.ForwardKL"
+    _target_: str = "sage.objective.divergences.ForwardKL"
     beta: float = 0.05
 
 
 @dataclass
 class NoDivergenceConfig:
-    _target_: str = "sage.divergences.NoDivergence"
+    _target_: str = "sage.objective.divergences.NoDivergence"
     beta: float = 0.0
 
 
 # ---------------------------------------------------------------- guide
 @dataclass
 class NoGuideConfig:
-    _target_: str = "sage.guides.NoGuide"
+    _target_: str = "sage.objective.guides.NoGuide"
 
 
 @dataclass
 class RandomGuideConfig:
-    _target_: str = "sage.guides.RandomGuide"
+    _target_: str = "sage.objective.guides.RandomGuide"
     _partial_: bool = True  # the trainer supplies the schedule
     eps_start: float = 0.1
     eps_end: float = 0.0
@@ -188,7 +188,7 @@ class RandomGuideConfig:
 
 @dataclass
 class TokenGuideConfig:
-    _target_: str = "sage.guides.TokenGuide"
+    _target_: str = "sage.objective.guides.TokenGuide"
     _partial_: bool = True
     alpha_start: float = 0.3
     alpha_end: float = 0.1
@@ -203,7 +203,7 @@ class TokenGuideConfig:
 
 @dataclass
 class BranchGuideConfig:
-    _target_: str = "sage.guides.BranchGuide"
+    _target_: str = "sage.objective.guides.BranchGuide"
     ratio: float = 0.3
     threshold: float = 1.2
     q_min: float = 0.6
@@ -213,12 +213,12 @@ class BranchGuideConfig:
 # ---------------------------------------------------------------- schedule
 @dataclass
 class ConstantScheduleConfig:
-    _target_: str = "sage.schedules.ConstantSchedule"
+    _target_: str = "sage.objective.schedules.ConstantSchedule"
 
 
 @dataclass
 class CosineScheduleConfig:
-    _target_: str = "sage.schedules.CosineSchedule"
+    _target_: str = "sage.objective.schedules.CosineSchedule"
     _partial_: bool = True  # the trainer supplies max_steps
     cycles: int = 8
     decay: float = 0.9
@@ -390,7 +390,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
-    """Names of the metrics the periodic evaluation logs (sage.callbacks.PeriodicEval)."""
+    """Names of the metrics the periodic evaluation logs (sage.train.callbacks.PeriodicEval)."""
     return [
         f"eval/periodic/{name}/pass@{k}" for name in eval_cfg.datasets for k in (1, eval_cfg.every_n_samples)
     ]

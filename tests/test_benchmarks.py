@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sage.benchmarks import BenchmarkUnavailable, load_benchmark
+from sage.data.benchmarks import BenchmarkUnavailable, load_benchmark
 
 DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 SOURCES: dict[str, Path | list[Path]] = {
@@ -140,7 +140,7 @@ def test_limit_applies_after_filtering(tmp_path: Path) -> None:
 def test_unreachable_hub_id_is_a_clear_one_line_error() -> None:
     """Offline mode makes the failure immediate instead of 25 s of retries; the code path is the same."""
     script = (
-        "from sage.benchmarks import load_benchmark\n"
+        "from sage.data.benchmarks import load_benchmark\n"
         "load_benchmark('knights_knaves', 'K-and-K/knights-and-knaves', subset='test', split='3ppl')\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

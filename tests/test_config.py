@@ -87,7 +87,7 @@ def test_option_composes_and_binds(group, option):
 
 
 def test_grpo_args_map_onto_trl():
-    from sage.train import grpo_args
+    from sage.train.main import grpo_args
 
     cfg = cfg_for("algorithm=dapo", "divergence=forward_kl", "trainer.max_steps=3")
     args = grpo_args(cfg, Path("/tmp/x"))

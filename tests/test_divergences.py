@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sage.divergences import ForwardKL, NoDivergence, ReverseKL, forward_kl, k1, k2, k3
+from sage.objective.divergences import ForwardKL, NoDivergence, ReverseKL, forward_kl, k1, k2, k3
 
 
 def test_hand_values():

@@ -17,9 +17,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import sage.evaluate as ev
-from sage.evaluate import Samples, evaluate_model
-from sage.rewards import grade
+import sage.eval.evaluate as ev
+from sage.data.benchmarks import math_data
+from sage.data.verifiers import grade
+from sage.eval.evaluate import Samples, evaluate_model
 from sage.testbed.tokenizer import build_tokenizer
 
 ROWS = {
@@ -206,14 +207,14 @@ def test_an_unknown_verifier_is_refused_before_any_sampling():
 def test_local_benchmark_copies_default_next_to_the_repo(monkeypatch):
     monkeypatch.delenv("SAGE_MATH_DATA", raising=False)
     repo = Path(__file__).resolve().parents[1]
-    assert Path(ev.math_data("aime24.jsonl")) == repo.parent / "shared/data/math/aime24.jsonl"
+    assert Path(math_data("aime24.jsonl")) == repo.parent / "shared/data/math/aime24.jsonl"
     monkeypatch.setenv("SAGE_MATH_DATA", "/data")
-    assert ev.math_data("amc23.jsonl") == "/data/amc23.jsonl"
+    assert math_data("amc23.jsonl") == "/data/amc23.jsonl"
 
 
 def sage_eval(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(
-        [sys.executable, "-m", "sage.eval_cli", *overrides],
+        [sys.executable, "-m", "sage.eval", *overrides],
         capture_output=True,
         text=True,
         timeout=600,

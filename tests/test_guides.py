@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sage.guides import (
+from sage.objective.guides import (
     BranchGuide,
     NoGuide,
     RandomGuide,
@@ -13,7 +13,7 @@ from sage.guides import (
     normalise_per_sequence,
     token_q,
 )
-from sage.schedules import ConstantSchedule, CosineSchedule
+from sage.objective.schedules import ConstantSchedule, CosineSchedule
 
 
 def test_branch_hand_values_clamp_and_padding():

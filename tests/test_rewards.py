@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sage.benchmarks import load_benchmark
-from sage.rewards import (
+from sage.data.benchmarks import load_benchmark
+from sage.data.verifiers import (
     GradingPool,
     extract_answer,
     grade,

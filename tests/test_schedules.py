@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from sage.schedules import ConstantSchedule, CosineSchedule, cosine_cycles
+from sage.objective.schedules import ConstantSchedule, CosineSchedule, cosine_cycles
 
 # cycle_length = 4; value = end + (start * 0.5**cycle - end) * 0.5 * (1 + cos(pi * t)), start=1, end=0
 TABLE = [

@@ -9,12 +9,12 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from sage.config import register_configs
-from sage.divergences import ReverseKL
-from sage.guides import NoGuide
+from sage.objective.divergences import ReverseKL
+from sage.objective.guides import NoGuide
 from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
-from sage.train import grpo_args, lora_config, run_sft
-from sage.trainer import SageGRPOTrainer
+from sage.train.main import grpo_args, lora_config, run_sft
+from sage.train.trainer import SageGRPOTrainer
 
 pytestmark = pytest.mark.slow
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sage.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
+from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from sage.testbed.model import BUILD_INFO_FILE, build_tiny_model, lr_factor
 from sage.testbed.task import (
     STRATEGIES,

@@ -6,11 +6,11 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from sage.divergences import NoDivergence, ReverseKL, k3
-from sage.guides import BranchGuide, NoGuide
+from sage.objective.divergences import NoDivergence, ReverseKL, k3
+from sage.objective.guides import BranchGuide, NoGuide
 from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
-from sage.trainer import SageGRPOTrainer, aggregate
+from sage.train.trainer import SageGRPOTrainer, aggregate
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
 
 
 def test_informative_groups():
-    from sage.trainer import informative_groups
+    from sage.train.trainer import informative_groups
 
     adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7, -0.7, 0.0, 0.0])  # group 1: zero variance; group 2: mixed
     assert informative_groups(adv, 4).tolist() == [False] * 4 + [True] * 4

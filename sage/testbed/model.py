@@ -38,10 +38,6 @@ MAX_POSITIONS = 128
 BUILD_INFO_FILE = "testbed_build.json"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("SAGE_CACHE_DIR") or Path.home() / ".cache" / "sage")
-
-
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -80,7 +76,7 @@ def build_tiny_model(
         "slip_rate": slip_rate,
         "seed": seed,
     }
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)

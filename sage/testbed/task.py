@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from sage.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, make_prompt
+from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, make_prompt
 
 if TYPE_CHECKING:
     import datasets

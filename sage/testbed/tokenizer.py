@@ -11,7 +11,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from sage.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
+from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)

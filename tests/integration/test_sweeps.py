@@ -36,7 +36,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import sage.train  # noqa: F401  (registers the schemas)
+    import sage.train.main  # noqa: F401  (registers the schemas)
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return hydra_compose("train", overrides=overrides, return_hydra_config=True)
@@ -48,9 +48,9 @@ def test_every_method_composes(method):
     cfg = compose([f"method={method}"])
     assert cfg.method == method
     assert (cfg.trainer.max_steps == 0) == (method == "base")
-    if cfg.guide._target_ != "sage.guides.NoGuide":
+    if cfg.guide._target_ != "sage.objective.guides.NoGuide":
         assert cfg.divergence.beta > 0, method
-    assert ("branch" in method) == (cfg.guide._target_ == "sage.guides.BranchGuide")
+    assert ("branch" in method) == (cfg.guide._target_ == "sage.objective.guides.BranchGuide")
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -2,7 +2,7 @@
 with OpenMP, and ninja) into ``<sage cache>/kernels`` and registered as ``torch.ops.sage.*``.
 
 One kernel so far, ``decode_attention`` (``decode_attention.cpp``): the attention of a decode step of
-:class:`sage.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
+:class:`sage.eval.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
 version, so an edited kernel or another torch never loads a stale library; torch's builder locks the
 build folder, so concurrent jobs on a cold cache build it once."""
 
@@ -57,12 +57,12 @@ def decode_attention_unavailable() -> str | None:
     else the reason it cannot be (the compiler's error line, else the builder's first line)."""
     from torch.utils.cpp_extension import load
 
-    from sage.testbed.model import default_cache_dir
+    from sage.paths import cache_dir
 
     flags = compiler_flags()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*flags, torch.__version__]).encode()).hexdigest()
     name = f"sage_decode_attention_{key[:12]}"
-    build_dir = default_cache_dir() / "kernels" / name
+    build_dir = cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         log.info("building the decode attention kernel into %s (once per machine)", build_dir)

@@ -1,7 +1,7 @@
 """Benchmark loaders: every benchmark becomes rows ``{"id", "problem", "answer", "verifier"}`` of strings.
 
 Each benchmark stores its gold answer differently (a LaTeX string, a float, the last ``\\boxed{}`` of a
-worked solution, a sentence); this module turns them all into the answer text that `sage.rewards.grade`
+worked solution, a sentence); this module turns them all into the answer text that `sage.data.verifiers.grade`
 compares against, and names the rule it compares by (``verifier``: Math-Verify for the maths benchmarks,
 role assignments for Knights and Knaves), so the evaluator never needs to know where a problem came from.
 Every row is checked for its required fields before anything is converted, and a bad row fails with one
@@ -21,11 +21,19 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sage.rewards import DEFAULT_VERIFIER, knights_knaves_assignment, last_boxed_content
+from sage.data.verifiers import DEFAULT_VERIFIER, knights_knaves_assignment, last_boxed_content
 
 Row = dict[str, str]
 PathOrId = str | os.PathLike[str]
 RawRow = Mapping[str, Any]
+
+
+def math_data(file: str) -> str:
+    """Path of a local benchmark copy: ``$SAGE_MATH_DATA/<file>``, by default ``<repo>/../shared/data/math``
+    (where this project's checkout keeps them). A ``_target_`` rather than an interpolation so that every
+    eval config composes and binds with no resolver registered first."""
+    default = Path(__file__).resolve().parents[3] / "shared" / "data" / "math"
+    return str(Path(os.environ.get("SAGE_MATH_DATA") or default) / file)
 
 
 class BenchmarkUnavailable(RuntimeError):
@@ -95,7 +103,7 @@ class _Spec:
     # Checked on every row before conversion; includes the fields `answer` and `keep` read.
     required: tuple[str, ...]
     keep: Callable[[RawRow], bool] = lambda row: True
-    # How answers are checked (a key of sage.rewards.VERIFIERS), carried by every row as "verifier".
+    # How answers are checked (a key of sage.data.verifiers.VERIFIERS), carried by every row as "verifier".
     verifier: str = DEFAULT_VERIFIER
 
 

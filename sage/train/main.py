@@ -11,7 +11,6 @@ How it departs from a standard TRL GRPO script:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,9 +21,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sage.config import ConfigError, build, exit_on_config_error, register_configs, validate
+from sage.paths import CONF_DIR, base_results_dir
 from sage.tracking import start_run
 
-log = logging.getLogger("sage.train")
+log = logging.getLogger("sage.train.main")
 register_configs()
 
 
@@ -147,24 +147,6 @@ def run_sft(cfg: DictConfig, base_path: str, out: Path) -> str:
     return str(merged)
 
 
-def base_results_dir(model_path: str) -> Path:
-    from sage.testbed.model import default_cache_dir
-
-    key = hashlib.sha256(str(Path(model_path).resolve()).encode()).hexdigest()[:16]
-    return default_cache_dir() / "eval" / key
-
-
-def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) -> str:
-    """Markdown table: one line per (model, dataset), pass@k (mean ± std over seeds)."""
-    head = "| model | dataset | " + " | ".join(f"pass@{k}" for k in ks) + " |"
-    lines = [head, "|" + "---|" * (2 + len(ks))]
-    for model_name, by_ds in rows.items():
-        for ds, s in by_ds.items():
-            cells = [f"{s[f'pass@{k}']:.3f} ± {s[f'pass@{k}_std']:.3f}" for k in ks]
-            lines.append(f"| {model_name} | {ds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def rl(
     cfg: DictConfig,
     callbacks: list,
@@ -177,8 +159,8 @@ def rl(
     out: Path,
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
-    from sage.rewards import math_verify_reward
-    from sage.trainer import SageGRPOTrainer
+    from sage.data.verifiers import math_verify_reward
+    from sage.train.trainer import SageGRPOTrainer
 
     trainer = SageGRPOTrainer(
         model=start_path,
@@ -201,9 +183,9 @@ def rl(
 
 def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
     """MLflow logging of every step, and the periodic held-out evaluation if asked for."""
-    from sage.callbacks import PeriodicEval
-    from sage.evaluate import SamplingSettings
+    from sage.eval.evaluate import SamplingSettings
     from sage.tracking import step_callback
+    from sage.train.callbacks import PeriodicEval
 
     cbs = [step_callback(tracker)] if tracker is not None else []
     if cfg.eval.every_steps:
@@ -236,7 +218,7 @@ def optuna_trial(cfg: DictConfig):
         return None
     from hydra.utils import instantiate
 
-    from sage.callbacks import OptunaTrial
+    from sage.train.callbacks import OptunaTrial
 
     t = cfg.optuna_trial
     pruner = instantiate(HydraConfig.get().sweeper.pruner)
@@ -262,7 +244,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     # Everything cheap that can fail (data files, eval files) fails before the model is built.
     dataset = build(cfg.data, chat=cfg.model.chat)
-    from sage.evaluate import evaluate_model, load_eval_rows
+    from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
 
     needs_rows = cfg.eval.at_end or cfg.eval.every_steps
     eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if needs_rows else {}
@@ -331,10 +313,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
             tracker.log_artifact(out / "metrics.json")
             print(f"MLflow run: {tracker.run_id}")
     return metrics
-
-
-# An absolute path: relative config paths resolve differently under a console script and `python -m`.
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

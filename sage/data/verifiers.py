@@ -28,7 +28,7 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from sage.prompts import SOLUTION_END, SOLUTION_START
+from sage.data.prompts import SOLUTION_END, SOLUTION_START
 
 MAX_ANSWER_CHARS = 1000
 GRADE_TIMEOUT_S = 5.0
@@ -189,7 +189,7 @@ VERIFIERS: dict[str, Callable[[str, str], bool]] = {
     "knights_knaves": knights_knaves_equivalent,
 }
 """How a row's answer is checked, by the name in its optional ``verifier`` field (default "math"): the
-benchmark loader sets it (sage.benchmarks), so a dataset is always graded by the rule it was made for."""
+benchmark loader sets it (sage.data.benchmarks), so a dataset is always graded by the rule it was made for."""
 DEFAULT_VERIFIER = "math"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset
 
-from sage.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, make_prompt
+from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, make_prompt
 
 
 def load_rows(source: str, split: str) -> Dataset:

@@ -5,9 +5,9 @@
     sage-eval eval=math_suite                                # the model group's base model
 
 It composes the same ``model``, ``eval`` and ``rollout`` groups as ``sage-train`` and calls the same
-``sage.evaluate.evaluate_model``, so for the same checkpoint, settings and seeds it gives the numbers of the
-trainer's end-of-run evaluation. The model group supplies the prompt format (chat), dtype and the training
-max length (the default eval length); a LoRA adapter folder is merged onto the base it names.
+``sage.eval.evaluate.evaluate_model``, so for the same checkpoint, settings and seeds it gives the numbers
+of the trainer's end-of-run evaluation. The model group supplies the prompt format (chat), dtype and the
+training max length (the default eval length); a LoRA adapter folder is merged onto the base it names.
 
 Where results go (``output_dir``, each cell a subfolder keyed by its settings, plus ``results.json``):
 ``<checkpoint>/eval`` for a checkpoint folder; for the base model (checkpoint=null) the shared cache
@@ -36,8 +36,8 @@ from sage.config import (
     exit_on_config_error,
     register_configs,
 )
+from sage.paths import CONF_DIR, base_results_dir
 from sage.tracking import metric_key, start_run
-from sage.train import CONF_DIR, base_results_dir, format_table
 
 log = logging.getLogger("sage.eval")
 
@@ -62,7 +62,7 @@ ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
-    from sage.evaluate import check_backend, evaluate_model, load_eval_rows
+    from sage.eval.evaluate import check_backend, evaluate_model, format_table, load_eval_rows
 
     check_eval(cfg.eval)
     check_backend(cfg.rollout)

@@ -7,7 +7,7 @@ Departures from the authors' evaluator (SAGE.md section 7):
   distinct prompt is prefilled once and its KV cache copied to its samples, and finished sequences leave
   the batch, so no compute goes to a prompt's duplicates or to padding after eos (``generate`` with
   num_return_sequences computes every sequence until the longest one of the call stops); Llama-family
-  models run through ``sage.decode.CompactDecoder``, the same forward pass in a few fused tensor ops;
+  models run through ``sage.eval.decode.CompactDecoder``, the same forward pass in a few fused tensor ops;
 - the vLLM backend submits all prompts x n samples of a cell at once to one engine per checkpoint;
 - pass@1 is the mean over ALL problems and samples; pass@k is the unbiased estimator for every k;
 - finished cells are stored and never re-sampled; a cell's key holds everything that changes its samples
@@ -22,7 +22,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -35,23 +34,15 @@ import psutil
 import torch
 
 from sage.config import ConfigError
-from sage.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
+from sage.data.prompts import make_prompt
+from sage.data.verifiers import GradingPool, row_verifier
+from sage.eval.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
 from sage.metrics import pass_at_k_curve
-from sage.prompts import make_prompt
-from sage.rewards import GradingPool, row_verifier
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 RESULTS_FILE = "results.json"
-
-
-def math_data(file: str) -> str:
-    """Path of a local benchmark copy: ``$SAGE_MATH_DATA/<file>``, by default ``<repo>/../shared/data/math``
-    (where this project's checkout keeps them). A ``_target_`` rather than an interpolation so that every
-    eval config composes and binds with no resolver registered first."""
-    default = Path(__file__).resolve().parents[2] / "shared" / "data" / "math"
-    return str(Path(os.environ.get("SAGE_MATH_DATA") or default) / file)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -123,7 +114,7 @@ class CellKey:
 
 
 def prompt_texts(tokenizer, rows: list[dict], chat: bool) -> list[str]:
-    """The training template (sage.prompts.make_prompt), rendered with the model's chat template if any."""
+    """The training template (``make_prompt``), rendered with the model's chat template if any."""
     prompts = [make_prompt(r["problem"], chat) for r in rows]
     if chat:
         return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
@@ -179,7 +170,7 @@ class HFSampler:
     """transformers backend (the CPU default), on a loaded model (also the one being trained, for the
     periodic evaluation) in eval mode.
 
-    Llama-family models (Qwen2, Llama, Mistral) are decoded by :class:`sage.decode.CompactDecoder`, which
+    Llama-family models (Qwen2, Llama, Mistral) are decoded by :class:`sage.eval.decode.CompactDecoder`, which
     computes the model's forward pass op for op with fused projections and a preallocated cache; any other
     model (or a PEFT-wrapped one) by the same loop around transformers' own forward, at about half the
     speed. Both sample the same distribution; the choice and its reason are logged, as is the compact
@@ -589,3 +580,14 @@ def write_results(path: Path, model_path: str, results: dict[str, dict]) -> None
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
+
+
+def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) -> str:
+    """Markdown table: one line per (model, dataset), pass@k (mean ± std over seeds)."""
+    head = "| model | dataset | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    lines = [head, "|" + "---|" * (2 + len(ks))]
+    for model_name, by_ds in rows.items():
+        for ds, s in by_ds.items():
+            cells = [f"{s[f'pass@{k}']:.3f} ± {s[f'pass@{k}_std']:.3f}" for k in ks]
+            lines.append(f"| {model_name} | {ds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

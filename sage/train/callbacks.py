@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from sage.data.verifiers import grade, row_verifier
 from sage.metrics import pass_at_k_curve
-from sage.rewards import grade, row_verifier
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PeriodicEval(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every:
             return
-        from sage.evaluate import sample_completions
+        from sage.eval.evaluate import sample_completions
 
         rng = torch.get_rng_state()
         was_training = model.training

@@ -215,7 +215,7 @@ class CompactDecoder:
             raise ValueError(f"compact decoder: attention {attention!r} is not one of {list(ATTENTION)}")
         self.attention_fallback = None
         if attention != "torch":
-            from sage.kernels import decode_attention_unavailable
+            from sage.eval.kernels import decode_attention_unavailable
 
             unavailable = decode_attention_unavailable()
             if unavailable is not None and attention == "kernel":
