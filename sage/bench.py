@@ -58,8 +58,8 @@ def bench_eval() -> dict[str, float]:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sage.data.verifiers import GradingPool
     from sage.eval.evaluate import HFSampler, SamplingSettings
+    from sage.grading import GradingPool
     from sage.paths import CONF_DIR
     from sage.testbed.model import build_tiny_model
     from sage.testbed.task import heldout_rows

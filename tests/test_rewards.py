@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 
 from sage.data.benchmarks import load_benchmark
-from sage.data.verifiers import (
-    GradingPool,
-    extract_answer,
-    grade,
-    knights_knaves_equivalent,
-    math_verify_reward,
-    row_verifier,
-)
+from sage.data.verifiers import extract_answer, grade, knights_knaves_equivalent, row_verifier
+from sage.grading import GradingPool, math_verify_reward
 
 DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 BENCHMARK_SOURCES: dict[str, Path | list[Path]] = {

@@ -35,8 +35,9 @@ import torch
 
 from sage.config import ConfigError
 from sage.data.prompts import make_prompt
-from sage.data.verifiers import GradingPool, row_verifier
+from sage.data.verifiers import row_verifier
 from sage.eval.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
+from sage.grading import GradingPool
 from sage.metrics import pass_at_k_curve
 
 log = logging.getLogger(__name__)

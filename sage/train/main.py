@@ -159,7 +159,7 @@ def rl(
     out: Path,
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
-    from sage.data.verifiers import math_verify_reward
+    from sage.grading import math_verify_reward
     from sage.train.trainer import SageGRPOTrainer
 
     trainer = SageGRPOTrainer(
