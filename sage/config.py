@@ -7,58 +7,121 @@ per-group schema cannot see are checked by ``validate`` before any expensive wor
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
     """A configuration that composes but cannot run; the message is one line that says what to change."""
 
 
-# Enums make OmegaConf reject a wrong value at composition and list the allowed ones; the str mixin keeps
-# them equal to their names for the code they are passed to.
-class LossType(StrEnum):
-    grpo = "grpo"
-    bnpo = "bnpo"
-    dr_grpo = "dr_grpo"
-    dapo = "dapo"
+# ---------------------------------------------------------------- schemas generated from their targets
+# A schema mirrors its target's constructor: the same names, the types OmegaConf can check, and the target's
+# own defaults. So every default has one source (the class: ours, TRL's, peft's), an option file lists only
+# what it changes, a misspelt key fails at composition, and any knob of the library is settable by name.
+_SIMPLE = (int, float, bool, str)
+_ENUMS: dict[tuple[str, ...], type[StrEnum]] = {}
+# target path -> {field: default}, to pass a library class only the values a config changes (explicit
+# defaults can trigger deprecation warnings in transformers, and the record stays what the user chose).
+TARGET_DEFAULTS: dict[str, dict[str, Any]] = {}
 
 
-class ScaleRewards(StrEnum):
-    group = "group"
-    batch = "batch"
-    none = "none"
+def _choice_enum(values: tuple[str, ...]) -> type[StrEnum]:
+    """A Literal of strings as an Enum, so OmegaConf rejects other values and lists the allowed ones."""
+    if values not in _ENUMS:
+        _ENUMS[values] = StrEnum("Choice_" + "_".join(values), {v: v for v in values})
+    return _ENUMS[values]
 
 
-class ISLevel(StrEnum):
-    token = "token"
-    sequence = "sequence"
+def _checked_type(tp: Any) -> Any:
+    """The type OmegaConf can check for an annotation, else Any (unions, library objects, callables)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = tuple(a for a in args if a is not type(None))
+        if len(rest) == 1 and len(rest) < len(args):
+            inner = _checked_type(rest[0])
+            return Any if inner is Any else typing.Optional[inner]  # noqa: UP045 (OmegaConf needs Optional)
+        return Any
+    if tp in _SIMPLE:
+        return tp
+    if origin is typing.Literal and args and all(isinstance(a, str) for a in args):
+        return _choice_enum(args)
+    if origin is list and len(args) == 1 and args[0] in _SIMPLE:
+        return list[args[0]]
+    return Any
 
 
-class Estimator(StrEnum):
-    k1 = "k1"
-    k2 = "k2"
-    k3 = "k3"
+def _storable(value: Any) -> bool:
+    """A plain value a YAML file could hold (not a library object)."""
+    if value is None or isinstance(value, (*_SIMPLE, Enum)):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_storable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _storable(v) for k, v in value.items())
+    return False
 
 
-class Normalisation(StrEnum):
-    minmax = "minmax"
-    rank = "rank"
-    zscore = "zscore"
+def schema_of(
+    cls: type, *, target: str | None = None, runtime: tuple[str, ...] = (), partial: bool = False
+) -> type:
+    """A structured-config dataclass of ``cls``'s init fields (minus ``runtime``: the values the entry point
+    supplies, each of which has its own key elsewhere), with ``_target_`` (and ``_partial_``) first.
+    Fields whose default OmegaConf cannot store (library objects) are left out: they keep the class's
+    default and are set by ``+key=...`` if ever needed."""
+    target = target or f"{cls.__module__}.{cls.__qualname__}"
+    hints = typing.get_type_hints(cls)
+    specs: list[tuple[str, Any, Any]] = [("_target_", str, field(default=target))]
+    if partial:
+        specs.append(("_partial_", bool, field(default=True)))
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_") or f.name in runtime:
+            continue
+        tp = _checked_type(hints.get(f.name, Any))
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            specs.append((f.name, tp, field(default=MISSING)))
+            continue
+        if isinstance(tp, type) and issubclass(tp, Enum) and isinstance(default, str):
+            default = tp(default)
+        if default is None and tp is not Any and typing.get_origin(tp) is not typing.Union:
+            tp = typing.Optional[tp]  # noqa: UP045 (an annotation that forgot None)
+        if not _storable(default):
+            continue
+        defaults[f.name] = default
+        if isinstance(default, list | dict):
+            specs.append((f.name, tp, field(default_factory=functools.partial(copy.deepcopy, default))))
+        else:
+            specs.append((f.name, tp, field(default=default)))
+    TARGET_DEFAULTS[target] = defaults
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", specs)
 
 
-class SurprisalSource(StrEnum):
-    policy = "policy"
-    ref = "ref"
+def changed_only(node: DictConfig) -> DictConfig:
+    """A ``_target_`` node reduced to the keys whose value differs from the target's default."""
+    defaults = TARGET_DEFAULTS[node._target_]
+    values = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    kept = {k: v for k, v in values.items() if k.startswith("_") or k not in defaults or v != defaults[k]}
+    return OmegaConf.create(kept)
 
 
-class VllmMode(StrEnum):
-    colocate = "colocate"
-    server = "server"
+# ---------------------------------------------------------------- ours
+class Backend(StrEnum):
+    hf = "hf"
+    vllm = "vllm"
 
 
 class DType(StrEnum):
@@ -67,33 +130,12 @@ class DType(StrEnum):
     float16 = "float16"
 
 
-# ---------------------------------------------------------------- model
-@dataclass
-class LoraConfig:
-    r: int = field(default=8, metadata={"help": "LoRA rank"})
-    alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (alpha / r)"})
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-
-
 @dataclass
 class SFTStageConfig:
     """Supervised stage for base models; its merged output is the RL start AND the reference policy."""
 
     data: Any = field(default=MISSING, metadata={"help": "_target_ returning a Dataset(prompt, completion)"})
-    epochs: float = 2.0
-    learning_rate: float = 2e-4
-    batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    weight_decay: float = 0.01
-    warmup_steps: int = 5
-    lr_scheduler_type: str = "linear"
-    optim: str = "adamw_torch"
-    max_length: int = 2048
-    max_steps: int = field(default=-1, metadata={"help": "-1: run the full epochs"})
-    seed: int = 3407
+    args: Any = field(default=MISSING, metadata={"help": "trl.SFTConfig, TRL's own keys"})
 
 
 @dataclass
@@ -101,7 +143,7 @@ class ModelConfig:
     source: Any = field(default=MISSING, metadata={"help": "_target_ returning a local path or hub id"})
     chat: bool = field(default=True, metadata={"help": "prompts as system+user chat (False: bare text)"})
     dtype: DType = DType.bfloat16
-    lora: LoraConfig | None = field(default=None, metadata={"help": "None: full fine-tuning"})
+    lora: Any = field(default=None, metadata={"help": "peft.LoraConfig (conf/peft/); None: full fine-tuning"})
     max_completion_length: int = 2048
     branch_threshold: float = field(
         default=1.2,
@@ -110,7 +152,6 @@ class ModelConfig:
     sft: SFTStageConfig | None = field(default=None, metadata={"help": "None: no SFT stage"})
 
 
-# ---------------------------------------------------------------- data
 @dataclass
 class ArithDataConfig:
     _target_: str = "sage.testbed.task.arith_dataset"
@@ -128,154 +169,33 @@ class MathDataConfig:
     limit: int | None = 2000
 
 
-# ---------------------------------------------------------------- algorithm (TRL's own knobs)
-@dataclass
-class AlgorithmConfig:
-    loss_type: LossType = field(default=LossType.grpo, metadata={"help": "TRL's aggregation rule"})
-    scale_rewards: ScaleRewards = field(default=ScaleRewards.group, metadata={"help": "Dr.GRPO: none"})
-    epsilon: float = 0.2
-    epsilon_high: float | None = field(default=None, metadata={"help": "None: = epsilon; DAPO 0.28"})
-    importance_sampling_level: ISLevel = field(default=ISLevel.token, metadata={"help": "GSPO: sequence"})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "DAPO's overlong masking"})
-    filter_zero_variance_groups: bool = field(
-        default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal from the loss"}
-    )
-    num_iterations: int = 1
-    steps_per_generation: int | None = None
-
-
-# ---------------------------------------------------------------- divergence
-@dataclass
-class ReverseKLConfig:
-    _target_: str = "sage.objective.divergences.ReverseKL"
-    beta: float = 0.05
-    estimator: Estimator = field(default=Estimator.k3, metadata={"help": "see sage/divergences.py"})
-    importance_weighted: bool = field(
-        default=False, metadata={"help": "x pi/pi_old (TRL's use_bias_correction_kl); paper: false"}
-    )
-
-
-@dataclass
-class ForwardKLConfig:
-    _target_: str = "sage.objective.divergences.ForwardKL"
-    beta: float = 0.05
-
-
-@dataclass
-class NoDivergenceConfig:
-    _target_: str = "sage.objective.divergences.NoDivergence"
-    beta: float = 0.0
-
-
-# ---------------------------------------------------------------- guide
-@dataclass
-class NoGuideConfig:
-    _target_: str = "sage.objective.guides.NoGuide"
-
-
-@dataclass
-class RandomGuideConfig:
-    _target_: str = "sage.objective.guides.RandomGuide"
-    _partial_: bool = True  # the trainer supplies the schedule
-    eps_start: float = 0.1
-    eps_end: float = 0.0
-    sigma_start: float = 0.15
-    sigma_end: float = 0.05
-    q_min: float = 0.6
-    q_max: float = 1.4
-    seed: int = 0
-
-
-@dataclass
-class TokenGuideConfig:
-    _target_: str = "sage.objective.guides.TokenGuide"
-    _partial_: bool = True
-    alpha_start: float = 0.3
-    alpha_end: float = 0.1
-    sigma_start: float = 0.25
-    sigma_end: float = 0.1
-    normalisation: Normalisation = Normalisation.minmax
-    source: SurprisalSource = field(default=SurprisalSource.policy, metadata={"help": "whose surprisal"})
-    q_min: float = 0.6
-    q_max: float = 1.4
-    seed: int = 0
-
-
-@dataclass
-class BranchGuideConfig:
-    _target_: str = "sage.objective.guides.BranchGuide"
-    ratio: float = 0.3
-    threshold: float = 1.2
-    q_min: float = 0.6
-    q_max: float = 1.4
-
-
-# ---------------------------------------------------------------- schedule
-@dataclass
-class ConstantScheduleConfig:
-    _target_: str = "sage.objective.schedules.ConstantSchedule"
-
-
-@dataclass
-class CosineScheduleConfig:
-    _target_: str = "sage.objective.schedules.CosineSchedule"
-    _partial_: bool = True  # the trainer supplies max_steps
-    cycles: int = 8
-    decay: float = 0.9
-
-
-# ---------------------------------------------------------------- rollout
-@dataclass
-class RolloutConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = 0.01
-    use_vllm: bool = False
-    vllm_mode: VllmMode = VllmMode.colocate
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_tensor_parallel_size: int = 1
-
-
-# ---------------------------------------------------------------- eval
 @dataclass
 class EvalConfig:
+    """Defaults are the paper's protocol (SAGE.md section 5); the testbed's option lists what differs."""
+
     datasets: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "name -> _target_ returning rows {id, problem, answer}"}
     )
-    n_samples: int = 64
-    ks: list[int] = field(default_factory=lambda: [1, 8, 64])
+    n_samples: int = 256
+    ks: list[int] | None = field(
+        default=None, metadata={"help": "None: 1, the powers of 8 below n_samples, and n_samples"}
+    )
     limit: int | None = field(default=None, metadata={"help": "first N problems of each dataset"})
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     temperature: float = 0.3
     top_p: float = 0.95
     max_new_tokens: int | None = field(default=None, metadata={"help": "None: model.max_completion_length"})
-    batch_size: int = field(default=512, metadata={"help": "sequences per generate call (CPU backend)"})
+    backend: Backend = field(default=Backend.hf, metadata={"help": "hf (CPU or GPU) or vllm"})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "the evaluation engine runs alone, after training's is freed"}
+    )
+    vllm_tensor_parallel_size: int = 1
+    batch_size: int = field(default=512, metadata={"help": "sequences per decode batch (hf backend)"})
     at_end: bool = field(default=True, metadata={"help": "evaluate base and trained model after training"})
     every_steps: int | None = field(
         default=None, metadata={"help": "also evaluate every N optimiser steps during training (None: off)"}
     )
     every_n_samples: int = field(default=8, metadata={"help": "samples per problem, periodic evaluation"})
-
-
-# ---------------------------------------------------------------- trainer
-@dataclass
-class TrainerConfig:
-    max_steps: int = 100
-    learning_rate: float = 1e-4
-    prompts_per_step: int = 8
-    num_generations: int = 8
-    gradient_accumulation_steps: int = 1
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    lr_scheduler_type: str = "linear"
-    optim: str = "adamw_torch"
-    max_grad_norm: float = 1.0
-    save_steps: int = 50
-    save_total_limit: int | None = 2
-    logging_steps: int = 1
-    gradient_checkpointing: bool = False
-    bf16: bool = False
 
 
 @dataclass
@@ -310,13 +230,15 @@ class OptunaTrialConfig:
 class TrainConfig:
     model: ModelConfig = MISSING
     data: Any = MISSING
-    algorithm: AlgorithmConfig = MISSING
+    trl: Any = field(default=MISSING, metadata={"help": "trl.GRPOConfig: TRL's own keys (conf/trl/)"})
     divergence: Any = MISSING
     guide: Any = MISSING
     schedule: Any = MISSING
-    rollout: RolloutConfig = MISSING
     eval: EvalConfig = MISSING
-    trainer: TrainerConfig = MISSING
+    filter_zero_variance_groups: bool = field(
+        default=False,
+        metadata={"help": "DAPO's dynamic-sampling filter: mask groups whose rewards are equal"},
+    )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     method: str | None = field(default=None, metadata={"help": "method label for reports (method/ presets)"})
     seed: int = 0
@@ -328,26 +250,41 @@ class TrainConfig:
     )
 
 
+# What sage-train supplies to GRPOConfig from other keys (one key per fact): the folder, seed, the
+# divergence's beta and importance weighting, and the model's completion length.
+GRPO_RUNTIME = ("output_dir", "seed", "beta", "use_bias_correction_kl", "max_completion_length")
+
+
 def register_configs() -> None:
+    """The schemas of every group: ours, and TRL's / peft's config classes mirrored (``schema_of``)."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, SFTConfig
+
+    from sage.objective import divergences, guides, schedules
+
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     for group, name, node in [
         ("model", "base_model", ModelConfig),
         ("data", "base_arith", ArithDataConfig),
         ("data", "base_math", MathDataConfig),
-        ("algorithm", "base_algorithm", AlgorithmConfig),
-        ("divergence", "base_reverse_kl", ReverseKLConfig),
-        ("divergence", "base_forward_kl", ForwardKLConfig),
-        ("divergence", "base_none", NoDivergenceConfig),
-        ("guide", "base_none", NoGuideConfig),
-        ("guide", "base_random", RandomGuideConfig),
-        ("guide", "base_token", TokenGuideConfig),
-        ("guide", "base_branch", BranchGuideConfig),
-        ("schedule", "base_constant", ConstantScheduleConfig),
-        ("schedule", "base_cosine", CosineScheduleConfig),
-        ("rollout", "base_rollout", RolloutConfig),
+        ("trl", "base_grpo", schema_of(GRPOConfig, target="trl.GRPOConfig", runtime=GRPO_RUNTIME)),
+        ("trl_sft", "base_sft", schema_of(SFTConfig, target="trl.SFTConfig", runtime=("output_dir",))),
+        ("peft", "base_lora", schema_of(LoraConfig, target="peft.LoraConfig")),
+        ("divergence", "base_reverse_kl", schema_of(divergences.ReverseKL)),
+        ("divergence", "base_forward_kl", schema_of(divergences.ForwardKL)),
+        ("divergence", "base_none", schema_of(divergences.NoDivergence)),
+        ("guide", "base_none", schema_of(guides.NoGuide)),
+        ("guide", "base_random", schema_of(guides.RandomGuide, runtime=("schedule",), partial=True)),
+        ("guide", "base_token", schema_of(guides.TokenGuide, runtime=("schedule",), partial=True)),
+        ("guide", "base_branch", schema_of(guides.BranchGuide)),
+        ("schedule", "base_constant", schema_of(schedules.ConstantSchedule)),
+        (
+            "schedule",
+            "base_cosine",
+            schema_of(schedules.CosineSchedule, runtime=("max_steps",), partial=True),
+        ),
         ("eval", "base_eval", EvalConfig),
-        ("trainer", "base_trainer", TrainerConfig),
     ]:
         cs.store(group=group, name=name, node=node)
 
@@ -367,23 +304,21 @@ def build(node: Any, **runtime: Any) -> Any:
 
 def validate(cfg: DictConfig) -> None:
     """Cross-group rules, checked before anything expensive; each failure is one line."""
-    if cfg.guide._target_ != NoGuideConfig._target_ and cfg.divergence.beta == 0:
+    if cfg.guide._target_ != "sage.objective.guides.NoGuide" and cfg.divergence.beta == 0:
         raise ConfigError(
             f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
             "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
         )
-    if cfg.rollout.use_vllm:
+    if cfg.trl.use_vllm:
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError(
                 "rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
             )
-    t = cfg.trainer
+    t = cfg.trl
     if t.num_generations < 2:
-        raise ConfigError(
-            f"trainer.num_generations must be >= 2 for group advantages (got {t.num_generations})"
-        )
+        raise ConfigError(f"trl.num_generations must be >= 2 for group advantages (got {t.num_generations})")
     check_eval(cfg.eval)
     if cfg.optuna_trial.storage is not None:
         check_pruning(cfg)
@@ -413,8 +348,22 @@ def check_pruning(cfg: DictConfig) -> None:
         )
 
 
+def default_ks(n_samples: int) -> list[int]:
+    """1, every power of 8 below n, and n: the paper's 1, 8, 64, 256 at n = 256."""
+    ks, k = [1], 8
+    while k < n_samples:
+        ks.append(k)
+        k *= 8
+    return ks + [n_samples] if n_samples > 1 else ks
+
+
 def check_eval(eval_cfg: DictConfig) -> None:
-    """Rules of the eval group shared by sage-train and sage-eval."""
+    """Rules of the eval group shared by sage-train and sage-eval; fills ``ks`` from ``n_samples`` when it
+    is not given, so shrinking ``eval.n_samples`` alone keeps a valid config."""
+    if eval_cfg.n_samples < 1:
+        raise ConfigError(f"eval.n_samples must be >= 1 (got {eval_cfg.n_samples})")
+    if eval_cfg.ks is None:
+        eval_cfg.ks = default_ks(eval_cfg.n_samples)
     for k in eval_cfg.ks:
         if not 1 <= k <= eval_cfg.n_samples:
             raise ConfigError(

@@ -7,16 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from sage.config import ConfigError, register_configs, validate
+from sage.config import ConfigError, build, changed_only, default_ks, register_configs, validate
+from sage.train.main import grpo_args, lora_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["model", "data", "algorithm", "divergence", "guide", "schedule", "rollout", "eval", "trainer"]
+GROUPS = ["model", "data", "trl", "algorithm", "divergence", "guide", "schedule", "rollout", "eval"]
 # Values the entry point supplies at run time, per target argument name.
 RUNTIME = {"chat": False, "schedule": lambda a, b, s: a, "max_steps": 10}
 
@@ -44,6 +46,11 @@ def bind(node) -> None:
     sig.bind(**container)
 
 
+def needs_gpu(args) -> bool:
+    """TRL/transformers refuse bf16 training args where no GPU supports it; bind those instead."""
+    return bool(args.get("bf16")) and not torch.cuda.is_available()
+
+
 ALL = [(g, o) for g in GROUPS for o in options(g)]
 
 
@@ -59,27 +66,42 @@ def test_every_group_has_options():
     assert {"grpo", "dapo", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
     assert {"reverse_kl", "none", "forward_kl"} == set(options("divergence"))
     assert {"none", "random", "token", "branch"} == set(options("guide"))
+    assert {"testbed", "paper"} == set(options("trl"))
 
 
 @pytest.mark.parametrize("group,option", ALL)
-def test_option_composes_and_binds(group, option):
+def test_option_composes_and_binds(group, option, tmp_path):
+    """Every option composes; its targets bind or build for real: TRL's GRPOConfig for the groups that
+    set TRL's knobs, SFTConfig and LoraConfig for the models, the cheap objects of the objective."""
     extra = ["divergence=reverse_kl"] if group == "guide" else []
     cfg = cfg_for(f"{group}={option}", *extra)
-    node = cfg[group]
     if group == "model":
-        bind(node.source)
-        if node.sft is not None:
-            bind(node.sft.data)
+        bind(cfg.model.source)
+        lora_config(cfg)
+        if cfg.model.sft is not None:
+            bind(cfg.model.sft.data)
+            if needs_gpu(cfg.model.sft.args):
+                bind(changed_only(cfg.model.sft.args))
+            else:
+                build(changed_only(cfg.model.sft.args), output_dir=str(tmp_path))
     elif group == "eval":
-        for ds in node.datasets.values():
+        for ds in cfg.eval.datasets.values():
             bind(ds)
-    elif "_target_" in node:
+    elif group in ("trl", "algorithm", "rollout"):
+        if needs_gpu(cfg.trl):
+            bind(changed_only(cfg.trl))
+            with pytest.raises(ConfigError, match="bf16"):  # TRL refuses it on this CPU, in one line
+                grpo_args(cfg, tmp_path)
+        else:
+            grpo_args(cfg, tmp_path)
+    elif "_target_" in cfg[group]:
+        node = cfg[group]
         bind(node)
         if group in ("divergence", "schedule", "guide"):
             obj = instantiate(node)  # the cheap objects are built for real
             if group == "schedule" and node.get("_partial_"):
                 obj(max_steps=10)
-    if group == "rollout" and node.use_vllm:
+    if group == "rollout" and cfg.trl.use_vllm:
         with pytest.raises(ConfigError, match="CUDA"):
             validate(cfg)
     elif not (group == "guide" and option != "none" and cfg.divergence.beta == 0):
@@ -87,16 +109,71 @@ def test_option_composes_and_binds(group, option):
 
 
 def test_grpo_args_map_onto_trl():
-    from sage.train.main import grpo_args
-
-    cfg = cfg_for("algorithm=dapo", "divergence=forward_kl", "trainer.max_steps=3")
+    cfg = cfg_for("algorithm=dapo", "divergence=forward_kl", "trl.max_steps=3", "seed=5")
     args = grpo_args(cfg, Path("/tmp/x"))
     assert (args.loss_type, args.epsilon_high, args.mask_truncated_completions) == ("dapo", 0.28, True)
     assert args.beta == 0.05 and args.max_steps == 3 and args.per_device_train_batch_size == 64
+    assert args.seed == 5 and args.max_completion_length == cfg.model.max_completion_length
+    assert args.model_init_kwargs == {"dtype": "float32"} and cfg.filter_zero_variance_groups
     args = grpo_args(cfg_for("algorithm=dr_grpo", "divergence=none"), Path("/tmp/x"))
     assert (args.loss_type, args.scale_rewards, args.beta) == ("dr_grpo", "none", 0.0)
     args = grpo_args(cfg_for("algorithm=gspo"), Path("/tmp/x"))
     assert args.importance_sampling_level == "sequence"
+    assert not grpo_args(cfg_for("algorithm=grpo"), Path("/tmp/x")).use_bias_correction_kl
+    args = grpo_args(cfg_for("divergence.importance_weighted=true"), Path("/tmp/x"))
+    assert args.use_bias_correction_kl
+
+
+def test_any_trl_and_peft_key_is_settable_by_its_own_name(tmp_path):
+    """Keys that no file of ours mentions reach TRL's and peft's config objects unchanged."""
+    for key in ("vllm_importance_sampling_correction", "top_entropy_quantile", "lora_dropout"):
+        assert not any(key in p.read_text() for p in CONF.rglob("*.yaml")), key
+    cfg = cfg_for("trl.vllm_importance_sampling_correction=false", "trl.top_entropy_quantile=0.2")
+    args = grpo_args(cfg, tmp_path)
+    assert args.vllm_importance_sampling_correction is False and args.top_entropy_quantile == 0.2
+    cfg = cfg_for("model=tiny_sft", "model.lora.lora_dropout=0.1", "model.sft.args.packing=true")
+    assert lora_config(cfg).lora_dropout == 0.1
+    assert build(changed_only(cfg.model.sft.args), output_dir=str(tmp_path)).packing is True
+
+
+def test_trl_typos_and_keys_owned_elsewhere_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="learnig_rate"):
+        cfg_for("trl.learnig_rate=1e-5")
+    # beta is divergence.beta, seed is seed: one key per fact, so the trl node has no such key
+    for key in ("beta", "seed", "max_completion_length", "output_dir"):
+        with pytest.raises(ConfigCompositionException, match=key):
+            cfg_for(f"trl.{key}=1")
+
+
+@pytest.mark.parametrize("group", ["trl", "divergence", "guide", "schedule", "eval", "peft"])
+def test_option_files_list_only_what_differs_from_their_schema(group):
+    """Each default has one source: an option file never restates a value its schema already has."""
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    for path in (CONF / group).glob("*.yaml"):
+        own = OmegaConf.load(path)
+        base_name = own.get("defaults", [None])[0]
+        schema = OmegaConf.create(repo[group][f"{base_name}.yaml"].node)
+        for key, value in OmegaConf.to_container(own, resolve=False).items():
+            if key == "defaults" or key not in schema or OmegaConf.is_missing(schema, key):
+                continue
+            if isinstance(value, str) and value.startswith("${"):
+                continue
+            assert OmegaConf.to_container(schema)[key] != value, f"{path.name}: {key}={value} is the default"
+
+
+def test_eval_ks_follow_n_samples_unless_given():
+    assert default_ks(1) == [1] and default_ks(8) == [1, 8] and default_ks(20) == [1, 8, 20]
+    assert default_ks(64) == [1, 8, 64] and default_ks(256) == [1, 8, 64, 256]
+    cfg = cfg_for("eval.n_samples=8", "eval.limit=20")
+    validate(cfg)
+    assert list(cfg.eval.ks) == [1, 8]
+    cfg = cfg_for("eval.n_samples=8", "eval.ks=[2,4]")
+    validate(cfg)
+    assert list(cfg.eval.ks) == [2, 4]
+    with pytest.raises(ConfigError, match="eval.ks contains 16"):
+        validate(cfg_for("eval.n_samples=8", "eval.ks=[16]"))
 
 
 def test_guide_with_no_divergence_is_an_error_that_says_why():
@@ -130,8 +207,8 @@ def test_cli_errors_are_one_line(tmp_path):
     r = run_cli("guide=branch", "divergence=none", f"output_dir={tmp_path}")
     assert r.returncode == 2
     assert last_line(r.stderr).startswith("error: guide=BranchGuide reshapes the anchor")
-    r = run_cli("trainer.max_steps=many", f"output_dir={tmp_path}")
-    assert r.returncode != 0 and "trainer.max_steps" in r.stderr
+    r = run_cli("trl.max_steps=many", f"output_dir={tmp_path}")
+    assert r.returncode != 0 and "trl.max_steps" in r.stderr
 
 
 def test_data_file_with_missing_field_is_one_line(tmp_path):

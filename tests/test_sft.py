@@ -13,7 +13,8 @@ from sage.objective.divergences import ReverseKL
 from sage.objective.guides import NoGuide
 from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
-from sage.train.main import grpo_args, lora_config, run_sft
+from sage.train.main import grpo_args, lora_config
+from sage.train.sft import run_sft
 from sage.train.trainer import SageGRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -25,11 +26,11 @@ def cfg(tmp_path, lora: bool):
     overrides = [
         "model=tiny_sft",
         "model.sft.data.n=64",
-        "model.sft.max_steps=4",
-        "model.sft.learning_rate=5e-3",
-        "trainer.max_steps=1",
-        "trainer.prompts_per_step=2",
-        "trainer.num_generations=2",
+        "model.sft.args.max_steps=4",
+        "model.sft.args.learning_rate=5e-3",
+        "trl.max_steps=1",
+        "trl.per_device_train_batch_size=4",
+        "trl.num_generations=2",
     ]
     if not lora:
         overrides += ["model.lora=null"]
@@ -47,10 +48,10 @@ def base_weights(model):
 def test_sft_output_is_start_and_reference(tmp_path, lora):
     c = cfg(tmp_path, lora)
     base = build_tiny_model()
-    merged = run_sft(c, base, tmp_path / "sft")
+    merged = run_sft(c, base, tmp_path / "sft", lora_config(c))
     w_base, w_sft = load_file(f"{base}/model.safetensors"), load_file(f"{merged}/model.safetensors")
     assert any(not torch.equal(w_base[k], w_sft[k]) for k in w_sft)  # SFT changed the model
-    assert run_sft(c, base, tmp_path / "sft") == merged  # a resumed run reuses the finished SFT stage
+    assert run_sft(c, base, tmp_path / "sft", lora_config(c)) == merged  # a resumed run reuses the finished SFT stage
 
     trainer = SageGRPOTrainer(
         model=merged,

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow
 # The real testbed base model (built once into the shared cache: a smaller one never earns a reward, so
 # nothing would be learnt), and a few small RL steps.
 SHRINK = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
-    "trainer.save_steps=2",
+    "trl.per_device_train_batch_size=16",
+    "trl.num_generations=4",
+    "trl.save_steps=2",
     "eval.n_samples=4",
     "eval.ks=[1,4]",
     "eval.limit=6",
@@ -45,9 +45,7 @@ def weights(path):
 
 def test_train_checkpoint_resume(tmp_path):
     out = tmp_path / "run"
-    r = sage_train(
-        tmp_path, "trainer.max_steps=2", f"output_dir={out}", "guide=branch", "guide.threshold=0.5"
-    )
+    r = sage_train(tmp_path, "trl.max_steps=2", f"output_dir={out}", "guide=branch", "guide.threshold=0.5")
     # a table of base vs trained model is printed, and where the outputs are
     assert "| base | arith_heldout |" in r.stdout and "| trained | arith_heldout |" in r.stdout
     assert f"run outputs: {out}" in r.stdout
@@ -78,13 +76,13 @@ def test_train_checkpoint_resume(tmp_path):
     assert 0.0 <= metrics["trained/arith_heldout/pass@1"] <= metrics["trained/arith_heldout/pass@4"] <= 1.0
 
     # a second run into the same folder without resume=true refuses to overwrite what is recorded
-    r = sage_train(tmp_path, "trainer.max_steps=4", f"output_dir={out}", check=False)
+    r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", check=False)
     assert r.returncode == 2 and "pass resume=true" in r.stderr
 
     # resume=true continues from checkpoint-2 up to step 4
     r = sage_train(
         tmp_path,
-        "trainer.max_steps=4",
+        "trl.max_steps=4",
         f"output_dir={out}",
         "resume=true",
         "guide=branch",
@@ -118,8 +116,8 @@ def check_mlflow_record(out):
         "0",
     )
     assert len(tags["git_commit"]) in (40, len("not-a-git-checkout"))
-    assert run.data.params["guide.threshold"] == "0.5" and run.data.params["trainer.max_steps"] == "2"
-    assert tags["resumed.trainer.max_steps"] == "4" and tags["resumed.resume"] == "True"
+    assert run.data.params["guide.threshold"] == "0.5" and run.data.params["trl.max_steps"] == "2"
+    assert tags["resumed.trl.max_steps"] == "4" and tags["resumed.resume"] == "True"
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert steps == [1, 2, 3, 4]
     for key in ("train/kl", "train/divergence", "train/guide/active_frac", "train/grad_norm", "train/reward"):
@@ -139,9 +137,9 @@ def test_parameters_change_from_the_base_model(tmp_path):
     # no weight decay and no warm-up: any change is the policy gradient's (and the divergence's) doing
     sage_train(
         tmp_path,
-        "trainer.max_steps=2",
-        "trainer.weight_decay=0",
-        "trainer.warmup_ratio=0",
+        "trl.max_steps=2",
+        "trl.weight_decay=0",
+        "trl.warmup_steps=0",
         f"output_dir={out}",
         "eval.at_end=false",
         "divergence=forward_kl",

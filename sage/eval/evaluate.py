@@ -127,14 +127,16 @@ def template_fingerprint(tokenizer, chat: bool) -> str:
     return hashlib.sha256(rendered.encode()).hexdigest()[:12]
 
 
-def check_backend(rollout) -> None:
-    """rollout=vllm's requirements, checked before anything is loaded; each failure is one line."""
-    if not rollout.use_vllm:
+def check_backend(eval_cfg) -> None:
+    """eval.backend=vllm's requirements, checked before anything is loaded; each failure is one line."""
+    if eval_cfg.backend != "vllm":
         return
     if not torch.cuda.is_available():
-        raise ConfigError("rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine")
+        raise ConfigError(
+            "eval.backend=vllm needs a CUDA GPU and none is visible; use eval.backend=hf on this machine"
+        )
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout=vllm needs the vllm package: pip install -e '.[vllm]'")
+        raise ConfigError("eval.backend=vllm needs the vllm package: pip install -e '.[vllm]'")
 
 
 # ---------------------------------------------------------------------------------------------- samplers
@@ -334,7 +336,7 @@ class VllmSampler:
     """vLLM backend (CUDA): one engine per checkpoint; all prompts x n samples of a cell in one call; a
     LoRA adapter is served with vLLM's LoRA support instead of being merged."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str, rollout) -> None:
+    def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
         from vllm import LLM
 
         lora_rank = None
@@ -351,8 +353,8 @@ class VllmSampler:
             dtype=dtype,
             enable_lora=lora_rank is not None,
             max_lora_rank=lora_rank or 16,
-            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-            tensor_parallel_size=rollout.vllm_tensor_parallel_size,
+            gpu_memory_utilization=eval_cfg.vllm_gpu_memory_utilization,
+            tensor_parallel_size=eval_cfg.vllm_tensor_parallel_size,
         )
 
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
@@ -377,11 +379,11 @@ class VllmSampler:
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
 
 
-def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, batch_size: int, rollout) -> Sampler:
-    check_backend(rollout)
-    if rollout.use_vllm:
-        return VllmSampler(checkpoint, dtype, rollout)
-    return HFSampler.load(checkpoint, tokenizer, dtype, batch_size)
+def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:
+    check_backend(eval_cfg)
+    if eval_cfg.backend == "vllm":
+        return VllmSampler(checkpoint, dtype, eval_cfg)
+    return HFSampler.load(checkpoint, tokenizer, dtype, eval_cfg.batch_size)
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], chat: bool) -> list[list[int]]:
@@ -501,7 +503,6 @@ def evaluate_model(
     max_new_tokens: int,
     results_dir: Path,
     dtype: str,
-    rollout,
 ) -> dict[str, dict]:
     """Evaluate one checkpoint (a model folder, or a LoRA adapter folder) on every dataset and seed.
 
@@ -512,12 +513,12 @@ def evaluate_model(
     """
     from transformers import AutoTokenizer
 
-    check_backend(rollout)
+    check_backend(eval_cfg)
     checkpoint = Checkpoint.resolve(model_path)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
     identity = {
         "template": template_fingerprint(tokenizer, chat),
-        "backend": "vllm" if rollout.use_vllm else "hf",
+        "backend": str(eval_cfg.backend),
         "dtype": dtype,
         "model": checkpoint.fingerprint(),
     }
@@ -544,9 +545,7 @@ def evaluate_model(
                     per_seed.append(done)
                     continue
                 if sampler is None:  # started only when a cell is missing: a finished run loads nothing
-                    sampler = open_sampler(
-                        checkpoint, tokenizer, dtype=dtype, batch_size=eval_cfg.batch_size, rollout=rollout
-                    )
+                    sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
                     pool = stack.enter_context(GradingPool(workers=2))
                 per_seed.append(evaluate_dataset(sampler, tokenizer, rows, key, cell=cell, pool=pool))
             correct = [r["correct"] for r in per_seed]

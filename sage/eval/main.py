@@ -1,10 +1,10 @@
 """sage-eval: unbiased pass@k curves (k = 1..n) of any checkpoint on the eval datasets, resumable.
 
     sage-eval checkpoint=outputs/<run>/final eval=math_suite eval.n_samples=256 eval.seeds=[0,1,2]
-    sage-eval checkpoint=<LoRA adapter folder> model=qwen2.5-math-7b rollout=vllm      # GPU cluster
+    sage-eval checkpoint=<LoRA adapter folder> model=qwen2.5-math-7b eval.backend=vllm      # GPU cluster
     sage-eval eval=math_suite                                # the model group's base model
 
-It composes the same ``model``, ``eval`` and ``rollout`` groups as ``sage-train`` and calls the same
+It composes the same ``model`` and ``eval`` groups as ``sage-train`` and calls the same
 ``sage.eval.evaluate.evaluate_model``, so for the same checkpoint, settings and seeds it gives the numbers
 of the trainer's end-of-run evaluation. The model group supplies the prompt format (chat), dtype and the
 training max length (the default eval length); a LoRA adapter folder is merged onto the base it names.
@@ -29,7 +29,6 @@ from sage.config import (
     ConfigError,
     EvalConfig,
     ModelConfig,
-    RolloutConfig,
     TrackingConfig,
     build,
     check_eval,
@@ -46,7 +45,6 @@ log = logging.getLogger("sage.eval")
 class EvaluateConfig:
     model: ModelConfig = MISSING
     eval: EvalConfig = MISSING
-    rollout: RolloutConfig = MISSING
     checkpoint: str | None = field(
         default=None, metadata={"help": "model or LoRA adapter folder; None: the model group's base model"}
     )
@@ -65,7 +63,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     from sage.eval.evaluate import check_backend, evaluate_model, format_table, load_eval_rows
 
     check_eval(cfg.eval)
-    check_backend(cfg.rollout)
+    check_backend(cfg.eval)
     if cfg.checkpoint is not None and not Path(cfg.checkpoint).is_dir():
         raise ConfigError(
             f"checkpoint={cfg.checkpoint} is not a folder; for a hub model leave checkpoint unset"
@@ -94,7 +92,6 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
             results_dir=results_dir,
             dtype=str(cfg.model.dtype.value),
-            rollout=cfg.rollout,
         )
         if tracker is not None:
             logged = tracker.client.get_run(tracker.run_id).data.metrics

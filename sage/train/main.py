@@ -20,7 +20,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, build, exit_on_config_error, register_configs, validate
+from sage.config import (
+    ConfigError,
+    build,
+    changed_only,
+    exit_on_config_error,
+    register_configs,
+    validate,
+)
 from sage.paths import CONF_DIR, base_results_dir
 from sage.tracking import start_run
 
@@ -35,116 +42,34 @@ def build_parts(cfg: DictConfig):
     if cfg.guide.get("_partial_"):  # an annealed guide: the trainer supplies the schedule over max_steps
         schedule = build(cfg.schedule)
         if cfg.schedule.get("_partial_"):
-            schedule = schedule(max_steps=cfg.trainer.max_steps)
+            schedule = schedule(max_steps=cfg.trl.max_steps)
         guide = guide(schedule=schedule)
     return divergence, guide
 
 
-def grpo_args(cfg: DictConfig, output_dir: Path):
-    """TRL's GRPOConfig from the algorithm, divergence, rollout and trainer groups (one place, no defaults
-    of our own hidden here)."""
-    from trl import GRPOConfig
+def library_config(node: DictConfig, **runtime):
+    """A TRL/peft config object from its node: only the keys the config changes from the class's defaults,
+    plus the values sage-train supplies (``runtime``)."""
+    return build(changed_only(node), **runtime)
 
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    return GRPOConfig(
+
+def grpo_args(cfg: DictConfig, output_dir: Path):
+    """TRL's GRPOConfig: the ``trl`` node (TRL's own keys), plus the facts that have their key elsewhere."""
+    dtype = str(cfg.model.dtype)
+    return library_config(
+        cfg.trl,
         output_dir=str(output_dir),
         seed=cfg.seed,
-        max_steps=t.max_steps,
-        learning_rate=t.learning_rate,
-        per_device_train_batch_size=t.prompts_per_step * t.num_generations,
-        num_generations=t.num_generations,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
-        lr_scheduler_type=t.lr_scheduler_type,
-        optim=t.optim,
-        max_grad_norm=t.max_grad_norm,
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        logging_steps=t.logging_steps,
-        gradient_checkpointing=t.gradient_checkpointing,
-        bf16=t.bf16,
-        max_completion_length=cfg.model.max_completion_length,
-        model_init_kwargs={
-            "dtype": cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else cfg.model.dtype
-        },
         beta=cfg.divergence.beta,
         use_bias_correction_kl=bool(cfg.divergence.get("importance_weighted", False)),
-        loss_type=str(a.loss_type.value),
-        scale_rewards=str(a.scale_rewards.value),
-        epsilon=a.epsilon,
-        epsilon_high=a.epsilon_high,
-        importance_sampling_level=str(a.importance_sampling_level.value),
-        mask_truncated_completions=a.mask_truncated_completions,
-        num_iterations=a.num_iterations,
-        steps_per_generation=a.steps_per_generation,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        min_p=r.min_p,
-        use_vllm=r.use_vllm,
-        vllm_mode=str(r.vllm_mode.value),
-        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
-        disable_dropout=True,
-        report_to="none",
-        log_completions=False,
+        max_completion_length=cfg.model.max_completion_length,
+        model_init_kwargs={"dtype": dtype, **(cfg.trl.model_init_kwargs or {})},
     )
 
 
 def lora_config(cfg: DictConfig):
-    if cfg.model.lora is None:
-        return None
-    from peft import LoraConfig
-
-    lo = cfg.model.lora
-    return LoraConfig(
-        r=lo.r,
-        lora_alpha=lo.alpha,
-        lora_dropout=lo.dropout,
-        target_modules=list(lo.target_modules),
-        task_type="CAUSAL_LM",
-    )
-
-
-def run_sft(cfg: DictConfig, base_path: str, out: Path) -> str:
-    """Supervised stage; the LoRA adapter is MERGED into the weights and saved, so that the RL stage's
-    reference (TRL: a new adapter disabled, or a copy of the weights) is the SFT model, not the base."""
-    merged = out / "merged"
-    if (merged / "config.json").exists():
-        log.info("SFT already done: %s", merged)
-        return str(merged)
-    from trl import SFTConfig, SFTTrainer
-
-    s = cfg.model.sft
-    dataset = build(s.data, chat=cfg.model.chat)
-    args = SFTConfig(
-        output_dir=str(out),
-        num_train_epochs=s.epochs,
-        max_steps=s.max_steps,
-        learning_rate=s.learning_rate,
-        per_device_train_batch_size=s.batch_size,
-        gradient_accumulation_steps=s.gradient_accumulation_steps,
-        weight_decay=s.weight_decay,
-        warmup_steps=s.warmup_steps,
-        lr_scheduler_type=s.lr_scheduler_type,
-        optim=s.optim,
-        max_length=s.max_length,
-        seed=s.seed,
-        bf16=cfg.trainer.bf16,
-        report_to="none",
-        save_strategy="no",
-        model_init_kwargs={"dtype": str(cfg.model.dtype.value)},
-    )
-    trainer = SFTTrainer(model=base_path, args=args, train_dataset=dataset, peft_config=lora_config(cfg))
-    trainer.train()
-    model = trainer.model
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.save_pretrained(merged)
-    trainer.processing_class.save_pretrained(merged)
-    return str(merged)
+    """peft's LoraConfig from ``model.lora`` (None: full fine-tuning)."""
+    return None if cfg.model.lora is None else library_config(cfg.model.lora)
 
 
 def rl(
@@ -154,7 +79,7 @@ def rl(
     dataset,
     divergence,
     guide,
-    rl_dir: Path,
+    args,
     last: str | None,
     out: Path,
 ) -> Path:
@@ -165,12 +90,12 @@ def rl(
     trainer = SageGRPOTrainer(
         model=start_path,
         reward_funcs=[math_verify_reward],
-        args=grpo_args(cfg, rl_dir),
+        args=args,
         train_dataset=dataset,
         peft_config=lora_config(cfg),
         divergence=divergence,
         guide=guide,
-        filter_zero_variance_groups=cfg.algorithm.filter_zero_variance_groups,
+        filter_zero_variance_groups=cfg.filter_zero_variance_groups,
         callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=last)
@@ -242,7 +167,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir"
         )
 
-    # Everything cheap that can fail (data files, eval files) fails before the model is built.
+    # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
+    # model is built.
+    args = grpo_args(cfg, rl_dir)
     dataset = build(cfg.data, chat=cfg.model.chat)
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
 
@@ -254,7 +181,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     set_seed(cfg.seed)
     base_path = build(cfg.model.source)
-    start_path = run_sft(cfg, base_path, out / "sft") if cfg.model.sft is not None else base_path
+    start_path = base_path
+    if cfg.model.sft is not None:
+        from sage.train.sft import run_sft
+
+        start_path = run_sft(cfg, base_path, out / "sft", lora_config(cfg))
 
     with start_run(cfg, out, kind="train") as tracker:
         if tracker is not None:
@@ -264,7 +195,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         # The base model's cells are shared by every run that starts from it (same settings, same seed).
         to_evaluate = [("base", start_path, base_results_dir(start_path))]
         pruned_at = None
-        if cfg.trainer.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
+        if cfg.trl.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
             callbacks = training_callbacks(cfg, tracker, eval_rows, out)
             final = rl(
                 cfg,
@@ -273,12 +204,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 dataset,
                 divergence,
                 guide,
-                rl_dir,
+                args,
                 last,
                 out,
             )
             pruned_at = next((c.pruned_at for c in callbacks if getattr(c, "pruned_at", None)), None)
-            metrics["train/steps"] = float(pruned_at or cfg.trainer.max_steps)
+            metrics["train/steps"] = float(pruned_at or cfg.trl.max_steps)
             to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
             if tracker is not None:
                 tracker.set_tag("final_model", str(final))
@@ -298,8 +229,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     chat=cfg.model.chat,
                     max_new_tokens=max_new,
                     results_dir=rdir,
-                    dtype=str(cfg.model.dtype.value),
-                    rollout=cfg.rollout,
+                    dtype=str(cfg.model.dtype),
                 )
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
