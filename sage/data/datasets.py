@@ -9,7 +9,14 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset
 
-from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, make_prompt
+from sage.data.prompts import (
+    SOLUTION_END,
+    SOLUTION_START,
+    WORK_END,
+    WORK_START,
+    make_completion,
+    make_prompt,
+)
 
 
 def load_rows(source: str, split: str) -> Dataset:
@@ -70,7 +77,9 @@ def sft_dataset(source: str, split: str, max_prompt_length: int, chat: bool) -> 
             continue
         thoughts = solution.split("</think>")[0].replace("<think>", "").strip()
         prompts.append(make_prompt(problem, chat))
-        completions.append(f"{WORK_START}{thoughts}{WORK_END}{SOLUTION_START}{answer}{SOLUTION_END}")
+        completions.append(
+            make_completion(f"{WORK_START}{thoughts}{WORK_END}{SOLUTION_START}{answer}{SOLUTION_END}", chat)
+        )
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
@@ -83,6 +92,8 @@ def arith_sft_dataset(n: int, seed: int, chat: bool) -> Dataset:
     return Dataset.from_dict(
         {
             "prompt": [make_prompt(r["problem"], chat) for r in rows],
-            "completion": [teacher_completion(r["a"], r["b"], r["c"], rng)[0] for r in rows],
+            "completion": [
+                make_completion(teacher_completion(r["a"], r["b"], r["c"], rng)[0], chat) for r in rows
+            ],
         }
     )

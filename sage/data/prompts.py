@@ -25,3 +25,9 @@ def make_prompt(problem: str, chat: bool) -> str | list[dict[str, str]]:
     if chat:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
     return problem
+
+
+def make_completion(text: str, chat: bool) -> str | list[dict[str, str]]:
+    """An SFT target in the prompt's format: TRL's SFTTrainer joins prompt and completion, so a chat
+    prompt (a message list) needs an assistant message, and a bare-text prompt a string."""
+    return [{"role": "assistant", "content": text}] if chat else text
