@@ -224,3 +224,22 @@ def test_branch_threshold_default_follows_the_model():
     assert cfg_for("guide=branch").guide.threshold == 0.3  # the testbed's measured q90 entropy
     assert cfg_for("guide=branch", "model=qwen2.5-math-7b").guide.threshold == 1.2  # the paper's
     assert cfg_for("guide=branch", "guide.threshold=2.0").guide.threshold == 2.0
+
+
+def test_paper_batch_shape_separates_micro_batch_from_the_step():
+    from trl import GRPOConfig
+
+    from sage.train.trainer import describe_batch
+
+    cfg = cfg_for("trl=paper", "model=qwen2.5-math-7b")
+    values = {k: v for k, v in OmegaConf.to_container(changed_only(cfg.trl)).items() if k != "_target_"}
+    values["bf16"] = False  # TRL refuses bf16 on this CPU; the batch arithmetic does not depend on it
+    args = GRPOConfig(output_dir="/tmp/x", max_completion_length=cfg.model.max_completion_length, **values)
+    line = describe_batch(args, num_processes=1, longest_prompt_tokens=300)
+    # 8 prompts x 8 rollouts per optimiser step (Table 8), 8 completions per forward pass
+    assert "8 completions per forward pass x 8 accumulation steps x 1 processes = 64 completions" in line
+    assert "(8 prompts x 8 generations)" in line and "64 completions generated at a time" in line
+    assert line.endswith("8 x (300 prompt + 2048 completion) = 18784 tokens")
+    # two processes: the same 64 completions per step need half the accumulation
+    args = GRPOConfig(output_dir="/tmp/x", **{**values, "gradient_accumulation_steps": 4})
+    assert "x 4 accumulation steps x 2 processes = 64 completions" in describe_batch(args, 2, 300)

@@ -51,7 +51,9 @@ def test_sft_output_is_start_and_reference(tmp_path, lora):
     merged = run_sft(c, base, tmp_path / "sft", lora_config(c))
     w_base, w_sft = load_file(f"{base}/model.safetensors"), load_file(f"{merged}/model.safetensors")
     assert any(not torch.equal(w_base[k], w_sft[k]) for k in w_sft)  # SFT changed the model
-    assert run_sft(c, base, tmp_path / "sft", lora_config(c)) == merged  # a resumed run reuses the finished SFT stage
+    assert (
+        run_sft(c, base, tmp_path / "sft", lora_config(c)) == merged
+    )  # a resumed run reuses the finished SFT stage
 
     trainer = SageGRPOTrainer(
         model=merged,

@@ -72,6 +72,17 @@ def lora_config(cfg: DictConfig):
     return None if cfg.model.lora is None else library_config(cfg.model.lora)
 
 
+def longest_prompt(trainer, dataset) -> int:
+    """Tokens of the longest RL prompt, rendered as TRL renders it (chat template for message lists)."""
+    tok = trainer.processing_class
+    prompts = dataset["prompt"]
+    if prompts and isinstance(prompts[0], list):
+        return max(
+            len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts
+        )
+    return max((len(ids) for ids in tok(list(prompts))["input_ids"]), default=0)
+
+
 def rl(
     cfg: DictConfig,
     callbacks: list,
@@ -85,7 +96,7 @@ def rl(
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter)."""
     from sage.grading import math_verify_reward
-    from sage.train.trainer import SageGRPOTrainer
+    from sage.train.trainer import SageGRPOTrainer, describe_batch
 
     trainer = SageGRPOTrainer(
         model=start_path,
@@ -98,6 +109,7 @@ def rl(
         filter_zero_variance_groups=cfg.filter_zero_variance_groups,
         callbacks=callbacks,
     )
+    print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest_prompt(trainer, dataset)))
     trainer.train(resume_from_checkpoint=last)
     final = out / "final"
     trainer.save_model(str(final))

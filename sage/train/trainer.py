@@ -28,6 +28,22 @@ from sage.objective.aggregation import aggregate, informative_groups
 from sage.objective.divergences import k3
 
 
+def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
+    """One line on how TRL's knobs shape a step: completions per forward pass (the memory-bound
+    micro-batch), accumulation, completions and prompts per optimiser step, and the longest micro-batch
+    in tokens. ``args`` is a GRPOConfig after its own __post_init__ (steps_per_generation resolved)."""
+    micro, accum, g = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
+    per_step = micro * accum * num_processes
+    longest = longest_prompt_tokens + args.max_completion_length
+    return (
+        f"batch: {micro} completions per forward pass x {accum} accumulation steps x {num_processes} "
+        f"processes = {per_step} completions ({per_step // g} prompts x {g} generations) per optimiser step; "
+        f"{args.generation_batch_size} completions generated at a time; longest micro-batch "
+        f"{micro} x ({longest_prompt_tokens} prompt + {args.max_completion_length} completion) = "
+        f"{micro * longest} tokens"
+    )
+
+
 class SageGRPOTrainer(GRPOTrainer):
     """GRPO-family trainer whose anchor is q * pi_ref; see the module docstring for what it overrides.
 
