@@ -111,3 +111,11 @@ def test_divergence_objects_check_beta():
     lp, rf = torch.tensor([-1.0]), torch.tensor([-2.0])
     assert torch.equal(ReverseKL(0.1, "k2").per_token(lp, rf), k2(lp, rf))
     assert torch.equal(ReverseKL(0.1).per_token(lp, rf), k3(lp, rf))
+
+
+def test_k2_with_importance_weighting_is_refused():
+    """grad[(pi/pi_old) k2] = log(pi/m) grad log pi + k2 grad log pi on-policy: the extra term is a bias."""
+    with pytest.raises(ValueError, match="k2 with divergence.importance_weighted=true"):
+        ReverseKL(beta=0.05, estimator="k2", importance_weighted=True)
+    ReverseKL(beta=0.05, estimator="k3", importance_weighted=True)
+    ReverseKL(beta=0.05, estimator="k2")

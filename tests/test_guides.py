@@ -51,8 +51,17 @@ def test_normalise_rank_zscore_and_padding():
     # a constant sequence carries no signal: w == 0 for every method
     const = torch.full((1, 4), 2.0)
     for method in ("minmax", "rank", "zscore"):
-        if method != "rank":
-            assert torch.all(normalise_per_sequence(const, torch.ones_like(const), method) == 0)
+        assert torch.all(normalise_per_sequence(const, torch.ones_like(const), method) == 0), method
+
+
+def test_rank_ties_share_their_average_rank():
+    # valid values 5, 1, 5, 3 (padding 0 ignored): sorted 1, 3, 5, 5 -> ranks 0, 1, 2.5, 2.5 over n - 1 = 3
+    x = torch.tensor([[5.0, 1.0, 5.0, 3.0, 0.0], [2.0, 2.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    w = normalise_per_sequence(x, mask, "rank")
+    assert torch.allclose(w[0], torch.tensor([2.5 / 3, 0.0, 2.5 / 3, 1 / 3, 0.0]))
+    # second row: 1 < 2 = 2 -> ranks 0, 1.5, 1.5 over 2
+    assert torch.allclose(w[1], torch.tensor([0.75, 0.75, 0.0, 0.0, 0.0]))
 
 
 def test_token_guide_without_noise_is_one_plus_alpha_w():
@@ -71,7 +80,7 @@ def test_token_guide_without_noise_is_one_plus_alpha_w():
 def test_random_guide_rate_scale_and_schedule():
     mask = torch.ones(200, 500)
     g = RandomGuide(
-        schedule=ConstantSchedule(), eps_start=0.1, sigma_start=0.15, q_min=0.0, q_max=10.0, seed=1
+        schedule=ConstantSchedule(), eps_start=0.1, sigma_start=0.15, q_min=1e-3, q_max=10.0, seed=1
     )
     q = g(logps=None, ref_logps=None, entropies=None, mask=mask, step=0)
     active = q != 1
@@ -92,3 +101,22 @@ def test_no_guide_is_one():
     assert torch.equal(
         NoGuide()(logps=x, ref_logps=None, entropies=x, mask=torch.ones(3, 4), step=5), torch.ones(3, 4)
     )
+
+
+@pytest.mark.parametrize(
+    "guide,kwargs,key",
+    [
+        (BranchGuide, {"ratio": -1.0}, "guide.ratio"),
+        (BranchGuide, {"threshold": float("nan")}, "guide.threshold"),
+        (BranchGuide, {"threshold": float("inf")}, "guide.threshold"),
+        (BranchGuide, {"q_min": 0.0}, "guide.q_min"),
+        (BranchGuide, {"q_max": 0.9}, "guide.q_max"),
+        (RandomGuide, {"eps_start": 1.5}, "guide.eps_start"),
+        (RandomGuide, {"sigma_end": -0.1}, "guide.sigma_end"),
+        (TokenGuide, {"alpha_start": float("nan")}, "guide.alpha_start"),
+    ],
+)
+def test_bad_guide_values_are_refused_with_their_key(guide, kwargs, key):
+    extra = {} if guide is BranchGuide else {"schedule": ConstantSchedule()}
+    with pytest.raises(ValueError, match=rf"^{key} must be in"):
+        guide(**extra, **kwargs)

@@ -74,6 +74,14 @@ class ReverseKL:
             )
         if self.estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"divergence.estimator must be one of k1, k2, k3 (got {self.estimator!r})")
+        if self.importance_weighted and self.estimator == "k2":
+            # grad of (pi/pi_old) * 0.5 log^2(pi/m) = log(pi/m) grad log pi + 0.5 log^2(pi/m) grad log pi:
+            # the second term is a bias, not the reverse-KL gradient that weighting is meant to give
+            raise ValueError(
+                "divergence.estimator=k2 with divergence.importance_weighted=true has a biased gradient "
+                "(an extra 0.5 log^2(pi/m) grad log pi term); use k2 unweighted (its gradient is already the "
+                "reverse KL's) or k3 weighted"
+            )
 
     def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
         match self.estimator:

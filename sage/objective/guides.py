@@ -9,6 +9,7 @@ Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,6 +18,17 @@ import torch
 
 Schedule = Callable[[float, float, int], float]
 Normalisation = Literal["minmax", "rank", "zscore"]
+
+
+def check_range(name: str, value: float, low: float, high: float = math.inf) -> None:
+    """A guide hyperparameter outside [low, high], infinite or NaN is a one-line error naming its key."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"guide.{name} must be in [{low}, {high}] (got {value})")
+
+
+def check_clamp(q_min: float, q_max: float) -> None:
+    check_range("q_min", q_min, 1e-6, 1.0)  # log q must exist, and q == 1 (no shaping) must be reachable
+    check_range("q_max", q_max, 1.0)
 
 
 def finalize(q: torch.Tensor, mask: torch.Tensor, q_min: float, q_max: float) -> torch.Tensor:
@@ -36,8 +48,9 @@ def normalise_per_sequence(x: torch.Tensor, mask: torch.Tensor, method: Normalis
     """Map x to [0, 1] within each sequence over its valid tokens (padding gets 0).
 
     minmax: min-max after clipping to the sequence's 5%-95% quantiles (robust to one huge surprisal);
-    rank: rank / (n - 1); zscore: sigmoid of the z-score. A constant sequence maps to 0 (minmax, zscore
-    would give 0.5: we return 0 for every method so that 'no signal' means 'no shaping')."""
+    rank: rank / (n - 1), ties at their average rank; zscore: sigmoid of the z-score. A constant sequence
+    maps to 0 (rank and zscore would give 0.5: we return 0 for every method so that 'no signal' means 'no
+    shaping')."""
     valid = mask.bool()  # (B, T)
     xs = x.masked_fill(~valid, float("nan"))
     if method == "minmax":
@@ -47,9 +60,15 @@ def normalise_per_sequence(x: torch.Tensor, mask: torch.Tensor, method: Normalis
         w = (torch.minimum(torch.maximum(x, lo), hi) - lo) / span.clamp_min(1e-12)
         w = torch.where(span > 1e-12, w, torch.zeros_like(w))
     elif method == "rank":
-        ranks = xs.nan_to_num(float("inf")).argsort(dim=1).argsort(dim=1).to(x.dtype)  # (B, T)
+        # Tied values share their average rank (a sort's order among ties is arbitrary); padding sorts last.
+        filled = xs.nan_to_num(float("inf"))  # (B, T)
+        ordered = filled.sort(dim=1).values
+        lowest = torch.searchsorted(ordered, filled, right=False)  # (B, T) rank of the first tie
+        highest = torch.searchsorted(ordered, filled, right=True) - 1  # rank of the last tie
         n = valid.sum(dim=1, keepdim=True).to(x.dtype)
-        w = ranks / (n - 1).clamp_min(1.0)
+        w = (lowest + highest).to(x.dtype) / 2 / (n - 1).clamp_min(1.0)
+        spread = filled.masked_fill(~valid, float("-inf")).amax(1, keepdim=True) - ordered[:, :1]
+        w = torch.where(spread > 0, w, torch.zeros_like(w))
     elif method == "zscore":
         n = valid.sum(dim=1, keepdim=True).clamp_min(1)
         mean = xs.nan_to_num(0.0).sum(dim=1, keepdim=True) / n
@@ -107,6 +126,11 @@ class RandomGuide:
     _generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("eps_start", "eps_end"):
+            check_range(name, getattr(self, name), 0.0, 1.0)
+        for name in ("sigma_start", "sigma_end"):
+            check_range(name, getattr(self, name), 0.0)
+        check_clamp(self.q_min, self.q_max)
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def params(self, step: int) -> dict[str, float]:
@@ -140,6 +164,9 @@ class TokenGuide:
     def __post_init__(self) -> None:
         if self.source not in ("policy", "ref"):
             raise ValueError(f"guide.source must be 'policy' or 'ref' (got {self.source!r})")
+        for name in ("alpha_start", "alpha_end", "sigma_start", "sigma_end"):
+            check_range(name, getattr(self, name), 0.0)
+        check_clamp(self.q_min, self.q_max)
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def params(self, step: int) -> dict[str, float]:
@@ -167,6 +194,11 @@ class BranchGuide:
     threshold: float = 1.2
     q_min: float = 0.6
     q_max: float = 1.4
+
+    def __post_init__(self) -> None:
+        check_range("ratio", self.ratio, 0.0)
+        check_range("threshold", self.threshold, 0.0)  # an entropy in nats
+        check_clamp(self.q_min, self.q_max)
 
     def params(self, step: int) -> dict[str, float]:
         return {"ratio": self.ratio, "threshold": self.threshold}
