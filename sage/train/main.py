@@ -42,9 +42,19 @@ def build_parts(cfg: DictConfig):
     if cfg.guide.get("_partial_"):  # an annealed guide: the trainer supplies the schedule over max_steps
         schedule = build(cfg.schedule)
         if cfg.schedule.get("_partial_"):
-            schedule = schedule(max_steps=cfg.trl.max_steps)
-        guide = guide(schedule=schedule)
+            # A base-only run (max_steps 0) trains nothing: its schedule is built over one step, only so
+            # that its values are checked like any other run's.
+            schedule = complete(schedule, "schedule", max_steps=max(cfg.trl.max_steps, 1))
+        guide = complete(guide, "guide", schedule=schedule)
     return divergence, guide
+
+
+def complete(partial, key: str, **runtime):
+    """Call a ``_partial_`` target with its runtime values; a bad value is the one-line ConfigError."""
+    try:
+        return partial(**runtime)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}") from e
 
 
 def library_config(node: DictConfig, **runtime):
