@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from sage.paths import cache_dir as default_cache_dir
 from sage.testbed.task import DEFAULT_SLIP_RATE, DEFAULT_STRATEGY_PROBS, make_problems, teacher_completion
 from sage.testbed.tokenizer import build_tokenizer
 
@@ -76,7 +77,7 @@ def build_tiny_model(
         "slip_rate": slip_rate,
         "seed": seed,
     }
-    root = Path(cache_dir) if cache_dir is not None else cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)
