@@ -1,43 +1,65 @@
-"""hydra-submitit-launcher's launchers (``submitit_local`` / ``submitit_slurm``) with three changes for sage:
+"""sage's submitit launchers (``hydra/launcher=local|slurm``, options in conf/hydra/launcher/): their schemas
+and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with three changes:
 
 - A job that fails (exception, ``scancel``, SIGKILL, node failure) comes back as a FAILED ``JobReturn``
   instead of an exception that discards the other jobs' results: a grid still fails at the end (Hydra's
   basic sweeper reads every return value), but a sweeper can mark one trial failed and carry on.
-- A requeued job (SLURM preemption or timeout through submitit's checkpoint/requeue, ``scontrol requeue``,
-  a node failure with ``--requeue``) whose output dir already holds ``rl/checkpoint-*`` runs with
-  ``resume=true``: training continues from the last checkpoint and the same MLflow run (sage.tracking
-  keeps the run id in the output dir).
+- Every job runs with ``resume=auto`` unless its overrides choose ``resume``: a requeued job (SLURM
+  preemption or timeout through submitit's checkpoint/requeue, ``scontrol requeue``, a node failure with
+  ``--requeue``) is the same command again, and sage-train continues from the checkpoint it left.
 - The local launcher runs at most ``parallelism`` jobs at a time (submitit's local executor starts them
-  all at once), and the SLURM launcher polls ``sacct`` at least every ``status_poll_max_s`` seconds (submitit
-  backs off to 10 minutes), so a job killed outright is reported failed promptly.
+  all at once), and the SLURM launcher asks ``sacct`` at least every ``status_poll_max_s`` seconds
+  (submitit's own polling backs off to 10 minutes), so a job killed outright is reported failed promptly.
+
+Registered for Hydra by hydra_plugins/sage_launchers (Hydra only instantiates plugins from that package).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
 
-def job_output_dir(config: DictConfig) -> Path:
-    """Where sage-train writes this job: ``output_dir``, else Hydra's sweep dir / subdir."""
-    if config.get("output_dir"):
-        return Path(config.output_dir)
-    return Path(config.hydra.sweep.dir) / str(config.hydra.sweep.subdir)
+@dataclass
+class SageLocalQueueConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.sage_launchers.SageLocalLauncher"
+    parallelism: int = field(default=2, metadata={"help": "jobs running at once (submitit would start all)"})
+    setup: list[str] | None = field(default=None, metadata={"help": "shell lines run before each job"})
 
 
-def has_checkpoint(out: Path) -> bool:
-    return any((out / "rl").glob("checkpoint-*"))
+@dataclass
+class SageSlurmQueueConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.sage_launchers.SageSlurmLauncher"
+    status_poll_max_s: int = field(
+        default=30, metadata={"help": "longest wait between sacct polls (submitit's own backs off to 600 s)"}
+    )
+
+
+def with_resume_auto(overrides: list[str]) -> list[str]:
+    """The job's overrides plus ``resume=auto``, unless they already choose ``resume``."""
+    keys = {o.get_key_element() for o in OverridesParser.create().parse_overrides(overrides)}
+    return overrides if "resume" in keys else [*overrides, "resume=auto"]
+
+
+def failed_return(job, job_num: int, overrides: list[str], error: Exception) -> JobReturn:
+    """A FAILED JobReturn whose ``return_value`` raises a one-line error naming the job."""
+    ret = JobReturn(overrides=overrides, status=JobStatus.FAILED)
+    ret.return_value = RuntimeError(
+        f"job #{job_num} (submitit id {job.job_id}) failed: {str(error).strip().splitlines()[0]}"
+    )
+    return ret
 
 
 class _SageSubmitit:
@@ -51,51 +73,13 @@ class _SageSubmitit:
         super().__init__(**params)  # type: ignore[call-arg]
         self.own = own
 
-    def __call__(
-        self,
-        sweep_overrides: list[str],
-        job_dir_key: str,
-        job_num: int,
-        job_id: str,
-        singleton_state: dict[type, Singleton],
-    ) -> JobReturn:
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        loader = self.hydra_context.config_loader  # type: ignore[attr-defined]
-        overrides = list(sweep_overrides)
-        config = self._compose(loader, overrides, job_num)
-        out = job_output_dir(config)
-        if has_checkpoint(out) and not config.get("resume", False):
-            log.warning("requeued job %d: %s holds a checkpoint, continuing with resume=true", job_num, out)
-            overrides = [o for o in overrides if not o.lstrip("+").startswith("resume=")] + ["resume=true"]
-            config = self._compose(loader, overrides, job_num)
-        return run_job(
-            hydra_context=self.hydra_context,  # type: ignore[attr-defined]
-            task_function=self.task_function,  # type: ignore[attr-defined]
-            config=config,
-            job_dir_key=job_dir_key,
-            job_subdir_key="hydra.sweep.subdir",
-        )
-
-    def _compose(self, loader: Any, overrides: list[str], job_num: int) -> DictConfig:
-        import submitit
-
-        config = loader.load_sweep_config(self.config, overrides)  # type: ignore[attr-defined]
-        with open_dict(config.hydra.job) as job:
-            job.id = submitit.JobEnvironment().job_id
-            job.num = job_num
-        # so that ${hydra:...} in the sweep subdir resolves (set_config makes its argument read-only)
-        HydraConfig.instance().set_config(copy.deepcopy(config))
-        return config
-
     def _job_params(self, job_overrides, initial_job_idx: int) -> list[tuple]:
         params = []
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
+            overrides = with_resume_auto(list(overrides))
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-            params.append(
-                (list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
-            )
+            params.append((overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         return params
 
     def _executor(self):
@@ -128,12 +112,16 @@ class _SageSubmitit:
             return job.results()[0]
         except Exception as e:  # a failed or killed job: report it, keep the other jobs' results
             log.error("job #%d (%s %s) failed: %s", job_num, job.job_id, " ".join(overrides), str(e)[-2000:])
-            ret = JobReturn(overrides=overrides, status=JobStatus.FAILED)
-            ret._return_value = RuntimeError(
-                f"job #{job_num} (submitit id {job.job_id}) failed: {str(e).strip().splitlines()[0]}"
-            )
-            ret.hydra_cfg = None
-            return ret
+            return failed_return(job, job_num, overrides, e)
+
+    def _collect(self, jobs: dict[int, Any], params: list[tuple], results: dict[int, JobReturn], force: bool):
+        """Move the finished ones of ``jobs`` (index -> submitit job) into ``results``. ``force``: the first
+        check asks the scheduler now (one call covers every job submitit watches), the others read that."""
+        for i, job in list(jobs.items()):
+            if job.done(force_check=force):
+                results[i] = self._result(job, params[i][2], params[i][0])
+                del jobs[i]
+            force = False
 
 
 class SageLocalLauncher(_SageSubmitit, LocalLauncher):
@@ -151,10 +139,7 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
             while pending and len(running) < width:
                 i = pending.pop(0)
                 running[i] = executor.submit(self, *params[i])
-            for i, job in list(running.items()):
-                if job.done():
-                    results[i] = self._result(job, params[i][2], params[i][0])
-                    del running[i]
+            self._collect(running, params, results, force=False)
             time.sleep(0.5)
         return [results[i] for i in range(len(params))]
 
@@ -163,12 +148,15 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
     OWN_KEYS = ("status_poll_max_s",)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
-        from submitit.slurm.slurm import SlurmJob
-
-        # submitit's sacct watcher backs off up to 600 s; a killed job is only seen at the next poll.
-        SlurmJob.watcher._delay_s = int(self.own["status_poll_max_s"])
         self._prepare_sweep_dir()
         executor = self._executor()
         params = self._job_params(job_overrides, initial_job_idx)
-        jobs = executor.map_array(self, *zip(*params, strict=True))
-        return [self._result(job, p[2], p[0]) for job, p in zip(jobs, params, strict=True)]
+        running = dict(enumerate(executor.map_array(self, *zip(*params, strict=True))))
+        results: dict[int, JobReturn] = {}
+        poll_s, polled = float(self.own["status_poll_max_s"]), time.monotonic()
+        while running:
+            force = time.monotonic() - polled >= poll_s
+            polled = time.monotonic() if force else polled
+            self._collect(running, params, results, force)
+            time.sleep(1)
+        return [results[i] for i in range(len(params))]
