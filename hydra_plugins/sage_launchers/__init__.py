@@ -5,13 +5,21 @@ anything is submitted."""
 
 from hydra.core.config_store import ConfigStore
 
-from launchers.submitit import SageLocalLauncher, SageLocalQueueConf, SageSlurmLauncher, SageSlurmQueueConf
+import launchers.submitit
 
-__all__ = ["SageLocalLauncher", "SageSlurmLauncher"]
+# Hydra instantiates only plugin classes defined in a hydra_plugins module, so each is named here.
 
-ConfigStore.instance().store(
-    group="hydra/launcher", name="base_sage_local", node=SageLocalQueueConf, provider="sage"
-)
-ConfigStore.instance().store(
-    group="hydra/launcher", name="base_sage_slurm", node=SageSlurmQueueConf, provider="sage"
-)
+
+class SageLocalLauncher(launchers.submitit.SageLocalLauncher):
+    """launchers.submitit.SageLocalLauncher, as ``hydra/launcher=local``."""
+
+
+class SageSlurmLauncher(launchers.submitit.SageSlurmLauncher):
+    """launchers.submitit.SageSlurmLauncher, as ``hydra/launcher=slurm``."""
+
+
+for _name, _node in [
+    ("base_sage_local", launchers.submitit.SageLocalQueueConf),
+    ("base_sage_slurm", launchers.submitit.SageSlurmQueueConf),
+]:
+    ConfigStore.instance().store(group="hydra/launcher", name=_name, node=_node, provider="sage")

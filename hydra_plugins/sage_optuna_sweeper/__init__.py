@@ -4,6 +4,7 @@ are conf/hparams_search/)."""
 
 from hydra.core.config_store import ConfigStore
 
+import sweeps.optuna
 from sweeps.config import (
     GridSamplerConf,
     HyperbandPrunerConf,
@@ -14,9 +15,12 @@ from sweeps.config import (
     RandomSamplerConf,
     TPESamplerConf,
 )
-from sweeps.optuna import SageOptunaSweeper
 
-__all__ = ["SageOptunaSweeper"]
+
+class SageOptunaSweeper(sweeps.optuna.SageOptunaSweeper):
+    """sweeps.optuna.SageOptunaSweeper, as ``hydra/sweeper=optuna`` (Hydra instantiates only plugin classes
+    defined in a hydra_plugins module)."""
+
 
 cs = ConfigStore.instance()
 # ``_self_`` first: the chosen sampler and pruner are merged over the schema's defaults.
