@@ -26,7 +26,7 @@ class ReportError(Exception):
     """A one-line reason why (part of) the report cannot be built."""
 
 
-# Display names of the conf/method/ presets, in the order of the paper's tables (Tables 1, 3).
+# Display names of the conf/experiment/ presets, in the order of the paper's tables (Tables 1, 3).
 METHOD_NAMES = {
     "base": "base",
     "grpo": "GRPO",

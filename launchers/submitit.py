@@ -101,10 +101,12 @@ class _SageSubmitit:
         )
         return executor
 
-    def _prepare_sweep_dir(self) -> None:
+    def _start(self, job_overrides, initial_job_idx: int) -> tuple[Any, list[tuple]]:
+        """Make the sweep dir; submitit's executor and each job's call arguments."""
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")  # type: ignore[attr-defined]
+        return self._executor(), self._job_params(job_overrides, initial_job_idx)
 
     @staticmethod
     def _result(job, job_num: int, overrides: list[str]) -> JobReturn:
@@ -128,9 +130,7 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
     OWN_KEYS = ("parallelism",)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
-        self._prepare_sweep_dir()
-        executor = self._executor()
-        params = self._job_params(job_overrides, initial_job_idx)
+        executor, params = self._start(job_overrides, initial_job_idx)
         width = max(1, int(self.own["parallelism"]))
         running: dict[int, Any] = {}
         results: dict[int, JobReturn] = {}
@@ -148,9 +148,7 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
     OWN_KEYS = ("status_poll_max_s",)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
-        self._prepare_sweep_dir()
-        executor = self._executor()
-        params = self._job_params(job_overrides, initial_job_idx)
+        executor, params = self._start(job_overrides, initial_job_idx)
         running = dict(enumerate(executor.map_array(self, *zip(*params, strict=True))))
         results: dict[int, JobReturn] = {}
         poll_s, polled = float(self.own["status_poll_max_s"]), time.monotonic()
