@@ -13,11 +13,10 @@ from pathlib import Path
 import optuna
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
 from sage.config import ConfigError, register_configs, validate
-from sweeps.optuna import SageOptunaSweeper
+from sweeps.optuna import SageOptunaSweeper, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
 METRIC = "eval/periodic/arith_heldout/pass@1"
@@ -65,9 +64,6 @@ def sweeper(pruner, prune_on, objectives=("a",), weights=None, directions=("maxi
 
 
 def test_sweeper_settings_that_cannot_prune_are_refused():
-    # SweepError is a CompactHydraException; Hydra's plugin scan may import the sweeper module a second
-    # time, so the test names the stable base class rather than the module's own
-    SweepError = CompactHydraException  # noqa: N806
     median = optuna.pruners.MedianPruner()
     with pytest.raises(SweepError, match="set hydra.sweeper.prune_on"):
         sweeper(median, None).check_settings()
