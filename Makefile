@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed  ## create .venv and install sage (editable) with the dev tools
 
 services-install:  ## apt packages for the integration tests (SLURM, munge, slurmdbd, MariaDB)
-	launchers/slurm_cluster.sh install
+	scripts/slurm_cluster.sh install
 
 run: install  ## the embedded default end to end: build/reuse the tiny base model, GRPO, evaluate (ARGS=overrides)
 	$(VENV)/bin/sage-train $(ARGS)
@@ -61,8 +61,8 @@ reproduce-testbed: install  ## issue 6: run the Table 1 / Table 6 grids on the t
 reproduce-runs:
 	mkdir -p $(REPRO) $(RESULTS)
 	$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_entropy.md
-	$(REPRO_ENV) $(VENV)/bin/sage-train -m experiment=table1 seed=1,2,3 $(REPRO_COMMON) tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1
-	$(REPRO_ENV) $(VENV)/bin/sage-train -m experiment=table6 seed=1,2 guide.threshold=0.2,0.3,0.5 $(REPRO_COMMON) tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
+	$(REPRO_ENV) $(VENV)/bin/sage-train -m hparams_search=table1 seed=1,2,3 $(REPRO_COMMON) tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1
+	$(REPRO_ENV) $(VENV)/bin/sage-train -m hparams_search=table6 seed=1,2 guide.threshold=0.2,0.3,0.5 $(REPRO_COMMON) tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
 
 reproduce-report:
 	$(REPRO_ENV) $(VENV)/bin/sage-report --experiment testbed-table6 --seeds 1,2 --k 64 --perplexity-max 0 \

@@ -26,7 +26,7 @@ class ReportError(Exception):
     """A one-line reason why (part of) the report cannot be built."""
 
 
-# Display names of the conf/method/ presets, in the order of the paper's tables (Tables 1, 3).
+# Display names of the conf/experiment/ presets, in the order of the paper's tables (Tables 1, 3).
 METHOD_NAMES = {
     "base": "base",
     "grpo": "GRPO",
@@ -88,7 +88,7 @@ def method_label(tags: dict[str, str], params: dict[str, str], run_id: str) -> s
     (grpo + reverse_kl + none -> GRPO, + none -> GRPO w/o KL, + branch -> GRPO + Branch)."""
     if "method" in tags:
         return METHOD_NAMES.get(tags["method"], tags["method"])
-    if params.get("trainer.max_steps") == "0":
+    if params.get("trl.max_steps") == "0":
         return "base"
     missing = [g for g in ("algorithm", "divergence", "guide") if g not in tags]
     if missing:

@@ -1,1 +1,1 @@
-"""Hydra launcher configs (hydra/launcher/*.yaml, searched as pkg://launchers) and service scripts."""
+"""Hydra launchers of sage: submitit.py runs a sweep's jobs as local processes or one SLURM array."""

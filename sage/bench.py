@@ -155,7 +155,7 @@ def bench_overhead() -> dict[str, float]:
                 _sage_train(
                     [
                         f"guide={guide}",
-                        f"trainer.max_steps={OVERHEAD_STEPS}",
+                        f"trl.max_steps={OVERHEAD_STEPS}",
                         "eval.at_end=false",
                         "seed=0",
                         f"output_dir={out}",

@@ -124,6 +124,14 @@ class Backend(StrEnum):
     vllm = "vllm"
 
 
+class Resume(StrEnum):
+    """What sage-train does with the checkpoints already in its output_dir (see ``resume_mode``)."""
+
+    false = "false"  # refuse them: a new run must not overwrite a recorded one
+    true = "true"  # continue from the last one; an error if there is none
+    auto = "auto"  # continue if there is one, else start (what the launchers give every job)
+
+
 class DType(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -216,17 +224,6 @@ class TrackingConfig:
 
 
 @dataclass
-class OptunaTrialConfig:
-    """Set by ``hydra/sweeper=optuna`` when ``hydra.sweeper.prune_on`` is given: the study trial this run
-    is, to which every periodic evaluation reports ``metric``; the study's pruner may stop the run."""
-
-    storage: str | None = None
-    study: str | None = None
-    number: int | None = None
-    metric: str | None = None
-
-
-@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: Any = MISSING
@@ -240,13 +237,24 @@ class TrainConfig:
         metadata={"help": "DAPO's dynamic-sampling filter: mask groups whose rewards are equal"},
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    method: str | None = field(default=None, metadata={"help": "method label for reports (method/ presets)"})
+    method: str | None = field(
+        default=None, metadata={"help": "method label for reports (set by the experiment/ presets)"}
+    )
     seed: int = 0
     output_dir: str | None = field(default=None, metadata={"help": "None: Hydra's run (or sweep job) dir"})
-    resume: bool = field(default=False, metadata={"help": "continue from output_dir's last checkpoint"})
-    optuna_trial: OptunaTrialConfig = field(
-        default_factory=OptunaTrialConfig,
-        metadata={"help": "set by the Optuna sweeper when it prunes (storage None: not a pruned trial)"},
+    # Not typed Resume: the command line's resume=true/false arrive as YAML booleans, which OmegaConf 2.3
+    # refuses for an Enum; the union still refuses numbers at composition, resume_mode any other string.
+    resume: bool | str = field(
+        default=False,
+        metadata={"help": "false | true | auto: what to do with output_dir's checkpoints (Resume)"},
+    )
+    callbacks: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "name -> _target_ of a transformers TrainerCallback added to the trainer; each periodic "
+            "evaluation hands its metrics to their on_evaluate (e.g. the Optuna sweeper's "
+            "+callbacks.optuna_pruning)"
+        },
     )
 
 
@@ -320,8 +328,8 @@ def validate(cfg: DictConfig) -> None:
     if t.num_generations < 2:
         raise ConfigError(f"trl.num_generations must be >= 2 for group advantages (got {t.num_generations})")
     check_eval(cfg.eval)
-    if cfg.optuna_trial.storage is not None:
-        check_pruning(cfg)
+    resume_mode(cfg.resume)
+    check_callbacks(cfg)
 
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
@@ -331,21 +339,31 @@ def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
     ]
 
 
-def check_pruning(cfg: DictConfig) -> None:
-    """A pruned study needs intermediate values: the periodic evaluation, and a metric it logs."""
-    unset = [k for k, v in cfg.optuna_trial.items() if v is None]
-    if unset:
-        raise ConfigError(f"optuna_trial.{unset[0]} is not set (the Optuna sweeper sets all its keys)")
-    if not cfg.eval.every_steps:
-        raise ConfigError(
-            "hydra.sweeper.prune_on needs the periodic evaluation: set eval.every_steps (e.g. 10)"
-        )
-    allowed = periodic_metrics(cfg.eval)
-    if cfg.optuna_trial.metric not in allowed:
-        raise ConfigError(
-            f"hydra.sweeper.prune_on={cfg.optuna_trial.metric} is not a periodic metric of this run; "
-            f"choose from {allowed}"
-        )
+def resume_mode(value: bool | str) -> Resume:
+    """``resume=`` as given (a YAML boolean or a string) -> Resume; anything else is a one-line error."""
+    if isinstance(value, bool):
+        return Resume.true if value else Resume.false
+    if value not in set(Resume):
+        raise ConfigError(f"resume={value} is not one of {[m.value for m in Resume]}")
+    return Resume(value)
+
+
+def check_callbacks(cfg: DictConfig) -> None:
+    """A callback that names a ``metric`` reads it from the periodic evaluation: that must run and log it."""
+    for name, node in cfg.callbacks.items():
+        if "metric" not in node:
+            continue
+        if not cfg.eval.every_steps:
+            raise ConfigError(
+                f"callbacks.{name} reads {node.metric} from the periodic evaluation: "
+                "set eval.every_steps (e.g. 10)"
+            )
+        allowed = periodic_metrics(cfg.eval)
+        if node.metric not in allowed:
+            raise ConfigError(
+                f"callbacks.{name}.metric={node.metric} is not a periodic metric of this run; "
+                f"choose from {allowed}"
+            )
 
 
 def default_ks(n_samples: int) -> list[int]:

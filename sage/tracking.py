@@ -28,7 +28,18 @@ RUN_ID_FILE = "mlflow_run_id"
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 # The config groups whose choice is a tag (the filters users group runs by).
-GROUP_TAGS = ("model", "data", "algorithm", "divergence", "guide", "schedule", "rollout", "eval", "trainer")
+GROUP_TAGS = (
+    "model",
+    "data",
+    "algorithm",
+    "divergence",
+    "guide",
+    "schedule",
+    "rollout",
+    "eval",
+    "trl",
+    "experiment",
+)
 
 
 def redact(value: str) -> str:

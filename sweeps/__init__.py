@@ -1,1 +1,2 @@
-"""Optuna search spaces: ``sweeps/<name>.yaml`` is ``sweep=<name>`` (hydra/sweeper=optuna)."""
+"""Hydra sweepers of sage: optuna.py runs an Optuna 5 study (``hydra/sweeper=optuna``); the search spaces
+are conf/hparams_search/."""

@@ -1,4 +1,5 @@
-"""Optuna pruning: settings that cannot prune fail with one line before anything runs; in a real study
+"""Optuna pruning: settings that cannot prune fail with one line before anything runs; the sweeper hands
+each trial its pruning callback as a config override (no Hydra config is read inside sage); in a real study
 (SQLite storage, local launcher, real testbed runs) each trial reports its periodic held-out pass@1 at every
 evaluation step, and a trial the median pruner judges worse stops early and is stored as PRUNED."""
 
@@ -12,10 +13,10 @@ from pathlib import Path
 import optuna
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import CompactHydraException
+from omegaconf import OmegaConf
 
-from hydra_plugins.sage_optuna_sweeper.sweeper import SageOptunaSweeper
 from sage.config import ConfigError, register_configs, validate
+from sweeps.optuna import SageOptunaSweeper, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
 METRIC = "eval/periodic/arith_heldout/pass@1"
@@ -27,18 +28,20 @@ def cfg_for(*overrides: str):
         return compose("train", overrides=list(overrides))
 
 
-TRIAL = ["optuna_trial.storage=sqlite:///x.db", "optuna_trial.study=s", "optuna_trial.number=0"]
+def pruning(metric: str = METRIC) -> str:
+    return (
+        "+callbacks.optuna_pruning={_target_:sage.train.callbacks.OptunaPruning,storage:'sqlite:///x.db',"
+        f"study:s,trial:0,metric:'{metric}',pruner:{{_target_:optuna.pruners.NopPruner}}}}"
+    )
 
 
-def test_a_pruned_trial_needs_the_periodic_evaluation_and_a_metric_it_logs():
-    with pytest.raises(ConfigError, match="eval.every_steps"):
-        validate(cfg_for(*TRIAL, f"optuna_trial.metric={METRIC}"))
+def test_a_pruning_callback_needs_the_periodic_evaluation_and_a_metric_it_logs():
+    with pytest.raises(ConfigError, match="callbacks.optuna_pruning reads .* set eval.every_steps"):
+        validate(cfg_for(pruning()))
     with pytest.raises(ConfigError, match=r"not a periodic metric.*eval/periodic/arith_heldout/pass@8"):
-        validate(cfg_for(*TRIAL, "optuna_trial.metric=trained/arith_heldout/pass@1", "eval.every_steps=5"))
-    with pytest.raises(ConfigError, match="optuna_trial.metric is not set"):
-        validate(cfg_for(*TRIAL, "eval.every_steps=5"))
-    validate(cfg_for(*TRIAL, f"optuna_trial.metric={METRIC}", "eval.every_steps=5"))
-    validate(cfg_for())  # not a pruned trial: no requirement
+        validate(cfg_for(pruning("trained/arith_heldout/pass@1"), "eval.every_steps=5"))
+    validate(cfg_for(pruning(), "eval.every_steps=5"))
+    validate(cfg_for())  # no callbacks: no requirement
 
 
 def sweeper(pruner, prune_on, objectives=("a",), weights=None, directions=("maximize",)):
@@ -51,6 +54,7 @@ def sweeper(pruner, prune_on, objectives=("a",), weights=None, directions=("maxi
         weights=weights,
         directions=list(directions),
         params={},
+        choices_as="points",
         max_retries=0,
         max_failures=1,
         sampler=optuna.samplers.RandomSampler(),
@@ -60,9 +64,6 @@ def sweeper(pruner, prune_on, objectives=("a",), weights=None, directions=("maxi
 
 
 def test_sweeper_settings_that_cannot_prune_are_refused():
-    # SweepError is a CompactHydraException; Hydra's plugin scan may import the sweeper module a second
-    # time, so the test names the stable base class rather than the module's own
-    SweepError = CompactHydraException  # noqa: N806
     median = optuna.pruners.MedianPruner()
     with pytest.raises(SweepError, match="set hydra.sweeper.prune_on"):
         sweeper(median, None).check_settings()
@@ -73,8 +74,32 @@ def test_sweeper_settings_that_cannot_prune_are_refused():
     sweeper(median, METRIC, objectives=("a", "b"), weights=[1.0, 0.5]).check_settings()  # one weighted value
     sweeper(median, METRIC).check_settings()
     sweeper(optuna.pruners.NopPruner(), None).check_settings()
-    trial = sweeper(median, METRIC).trial_overrides(["x=1"], {"guide.ratio": 0.3}, 7)
-    assert "optuna_trial.number=7" in trial and f"optuna_trial.metric='{METRIC}'" in trial
+
+
+def test_the_trial_overrides_carry_the_pruning_callback_with_the_sweepers_pruner(tmp_path):
+    """The override composes into a callbacks node that builds an OptunaPruning bound to that trial, with
+    the pruner of the sweeper's own config; without prune_on there is no callback."""
+    from hydra.utils import instantiate
+
+    from sage.train.callbacks import OptunaPruning
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.ask(), study.ask()
+    s = sweeper(optuna.pruners.MedianPruner(n_startup_trials=3), METRIC)
+    s.storage = storage
+    s.config = OmegaConf.create(
+        {"hydra": {"sweeper": {"pruner": {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 3}}}}
+    )
+    overrides = s.trial_overrides(["guide=branch"], {"guide.ratio": 0.3}, 1)
+    assert overrides[:2] == ["guide=branch", "guide.ratio=0.3"]
+    node = cfg_for(*overrides, "eval.every_steps=5").callbacks.optuna_pruning
+    assert (node.storage, node.study, node.trial, node.metric) == (storage, "s", 1, METRIC)
+    callback = instantiate(node)
+    assert isinstance(callback, OptunaPruning) and callback.trial.number == 1
+    assert isinstance(callback.study.pruner, optuna.pruners.MedianPruner)
+    s.prune_on = None
+    assert not any("callbacks" in o for o in s.trial_overrides([], {"guide.ratio": 0.3}, 1))
 
 
 def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -97,9 +122,9 @@ def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
             "hydra.sweeper.n_jobs=1",
             "guide=branch",
             "guide.ratio=choice(0.3)",
-            "trainer.max_steps=3",
-            "trainer.prompts_per_step=4",
-            "trainer.num_generations=4",
+            "trl.max_steps=3",
+            "trl.per_device_train_batch_size=16",
+            "trl.num_generations=4",
             "eval.n_samples=4",
             "eval.ks=[1,4]",
             "eval.limit=8",

@@ -79,7 +79,7 @@ def test_thirds_of_training():
 
 
 def test_method_labels_and_rows():
-    p: dict[str, str] = {"trainer.max_steps": "100"}
+    p: dict[str, str] = {"trl.max_steps": "100"}
     assert load.method_label({"method": "grpo_nokl"}, p, "r") == "GRPO w/o KL"
     assert load.method_label({"method": "my_variant"}, p, "r") == "my_variant"
     derived = {"algorithm": "grpo", "divergence": "forward_kl", "guide": "none"}
@@ -91,7 +91,7 @@ def test_method_labels_and_rows():
     assert load.method_label({"algorithm": "dr_grpo", "divergence": "none", "guide": "none"}, p, "r") == (
         "Dr.GRPO w/o KL"
     )
-    assert load.method_label({}, {"trainer.max_steps": "0"}, "r") == "base"
+    assert load.method_label({}, {"trl.max_steps": "0"}, "r") == "base"
     with pytest.raises(ReportError, match="run r has no 'method' tag and no divergence/guide tag"):
         load.method_label({"algorithm": "grpo"}, p, "r")
     frame = pd.DataFrame(
@@ -142,9 +142,9 @@ def test_strategy_mix_of_teacher_samples():
 
 # ------------------------------------------------------------------ real runs
 SHRINK = [
-    "trainer.max_steps=3",
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "trl.max_steps=3",
+    "trl.per_device_train_batch_size=16",
+    "trl.num_generations=4",
     "eval.n_samples=4",
     "eval.ks=[1,4]",
     "eval.limit=6",

@@ -49,7 +49,7 @@ class CosineSchedule:
         if not 0 < self.decay <= 1:
             raise ValueError(f"schedule.decay must be in (0, 1] (got {self.decay})")
         if self.max_steps < 1:
-            raise ValueError(f"trainer.max_steps must be >= 1 for a cosine schedule (got {self.max_steps})")
+            raise ValueError(f"trl.max_steps must be >= 1 for a cosine schedule (got {self.max_steps})")
 
     def __call__(self, start: float, end: float, step: int) -> float:
         return cosine_cycles(step, self.max_steps, start, end, self.cycles, self.decay)

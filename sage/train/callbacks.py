@@ -1,6 +1,6 @@
 """Training-time callbacks that are not TRL's: held-out accuracy every N optimiser steps (Figure 2:
 train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by each row's
-verifier (Math-Verify for the maths sets)."""
+verifier (Math-Verify for the maths sets); and Optuna pruning on those periodic metrics."""
 
 from __future__ import annotations
 
@@ -22,15 +22,14 @@ class PeriodicEval(TrainerCallback):
     """Every ``every`` optimiser steps: ``settings.n_samples`` samples per held-out problem from the model
     being trained; pass@1 and pass@n go to MLflow as ``eval/periodic/<dataset>/pass_at_<k>`` at that step
     and to ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
-    not change the training samples. With a ``trial`` (an Optuna sweep that prunes), the step's metrics
-    are reported to it and training stops when its pruner says so (``pruned_at`` is then that step)."""
+    not change the training samples. The step's metrics are then handed to the ``on_evaluate`` of each of
+    ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics."""
 
     def __init__(
-        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, trial=None
+        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, callbacks=()
     ):
         self.rows_by_dataset = rows_by_dataset
-        self.trial = trial
-        self.pruned_at: int | None = None
+        self.callbacks = list(callbacks)
         self.settings = settings
         self.every = every
         self.batch_size = batch_size
@@ -80,27 +79,29 @@ class PeriodicEval(TrainerCallback):
             model.train(was_training)
             torch.set_rng_state(rng)
         self.path.write_text(json.dumps(self.records, indent=1))
-        if self.trial is not None and self.trial.report(metrics, state.global_step):
-            log.info("step %d: the study's pruner stops this trial", state.global_step)
-            self.pruned_at = state.global_step
-            control.should_training_stop = True
+        for callback in self.callbacks:
+            callback.on_evaluate(args, state, control, metrics=metrics)
 
 
-class OptunaTrial:
-    """The running trial of an Optuna study, as stored by ``hydra/sweeper=optuna`` (sage.config.
-    OptunaTrialConfig): ``report`` stores one intermediate value and asks the study's pruner (the
-    sweeper's ``hydra.sweeper.pruner``, rebuilt here) whether to stop."""
+class OptunaPruning(TrainerCallback):
+    """Optuna pruning on the periodic evaluation: each ``metric`` it hands to ``on_evaluate`` is reported to
+    trial number ``trial`` of the study ``study`` in ``storage``, and training stops when ``pruner`` says
+    so (``pruned_at`` is then that step). ``hydra/sweeper=optuna`` adds it to each trial as
+    ``+callbacks.optuna_pruning`` with its own pruner's node, as Optuna does not store the pruner."""
 
-    def __init__(self, storage: str, study: str, number: int, metric: str, pruner) -> None:
+    def __init__(self, storage: str, study: str, trial: int, metric: str, pruner) -> None:
         import optuna
 
         store = optuna.storages.get_storage(storage)
         study_id = store.get_study_id_from_name(study)
         self.study = optuna.load_study(study_name=study, storage=store, pruner=pruner)
-        self.trial = optuna.Trial(self.study, store.get_trial_id_from_study_id_trial_number(study_id, number))
+        self.trial = optuna.Trial(self.study, store.get_trial_id_from_study_id_trial_number(study_id, trial))
         self.metric = metric
+        self.pruned_at: int | None = None
 
-    def report(self, metrics: dict[str, float], step: int) -> bool:
-        """True: prune (stop) this trial now."""
-        self.trial.report(metrics[self.metric], step)
-        return self.trial.should_prune()
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.trial.report(metrics[self.metric], state.global_step)
+        if self.trial.should_prune():
+            log.info("step %d: the study's pruner stops this trial", state.global_step)
+            self.pruned_at = state.global_step
+            control.should_training_stop = True

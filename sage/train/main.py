@@ -129,12 +129,14 @@ def rl(
 
 
 def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
-    """MLflow logging of every step, and the periodic held-out evaluation if asked for."""
+    """MLflow logging of every step, the ``callbacks`` node's callbacks, and the periodic held-out evaluation
+    if asked for (it hands its metrics to those callbacks)."""
     from sage.eval.evaluate import SamplingSettings
     from sage.tracking import step_callback
     from sage.train.callbacks import PeriodicEval
 
-    cbs = [step_callback(tracker)] if tracker is not None else []
+    extra = [config_callback(name, node) for name, node in cfg.callbacks.items()]
+    cbs = ([step_callback(tracker)] if tracker is not None else []) + extra
     if cfg.eval.every_steps:
         settings = SamplingSettings(
             n_samples=cfg.eval.every_n_samples,
@@ -152,24 +154,22 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
                 cfg.eval.batch_size,
                 tracker,
                 out,
-                trial=optuna_trial(cfg),
+                callbacks=extra,
             )
         )
     return cbs
 
 
-def optuna_trial(cfg: DictConfig):
-    """The study trial this run reports to (an Optuna sweep with a pruner), else None. The pruner is the
-    sweeper's, from this job's Hydra config."""
-    if cfg.optuna_trial.storage is None:
-        return None
-    from hydra.utils import instantiate
+def config_callback(name: str, node: DictConfig):
+    """One entry of the ``callbacks`` node, built; it must be a transformers TrainerCallback."""
+    from transformers import TrainerCallback
 
-    from sage.train.callbacks import OptunaTrial
-
-    t = cfg.optuna_trial
-    pruner = instantiate(HydraConfig.get().sweeper.pruner)
-    return OptunaTrial(t.storage, t.study, t.number, t.metric, pruner)
+    callback = build(node)
+    if not isinstance(callback, TrainerCallback):
+        raise ConfigError(
+            f"callbacks.{name}: {node._target_} built a {type(callback).__name__}, not a TrainerCallback"
+        )
+    return callback
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -180,14 +180,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from transformers.trainer_utils import get_last_checkpoint
 
+    from sage.config import Resume, resume_mode
+
     rl_dir = out / "rl"
     last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
-    if cfg.resume and last is None:
+    resume = resume_mode(cfg.resume)
+    if resume == Resume.true and last is None:
         raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
-    if not cfg.resume and last is not None:
+    if resume == Resume.false and last is not None:
         raise ConfigError(
-            f"{out} already holds checkpoints; pass resume=true to continue or choose another output_dir"
+            f"{out} already holds checkpoints; pass resume=true (or auto) to continue "
+            "or choose another output_dir"
         )
+    if last is not None:
+        log.info("resume=%s: continuing from %s", resume, last)
 
     # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
     # model is built.

@@ -1,7 +1,7 @@
-"""Session fixtures that run the real services from launchers/*.sh.
+"""Session fixtures that run the real services from scripts/*.sh.
 
 - ``slurm_cluster``: reuses a SLURM cluster whose ``sinfo`` already answers (e.g. started by CI),
-  otherwise runs ``launchers/slurm_cluster.sh start`` and stops it again at the end of the session
+  otherwise runs ``scripts/slurm_cluster.sh start`` and stops it again at the end of the session
   (only if it started it). Yields an environment dict (``os.environ`` plus ``SLURM_CONF``) for
   subprocesses, and sets ``SLURM_CONF`` in ``os.environ`` for the session, because submitit calls
   sbatch/sacct/scancel with the inherited environment.
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHERS = REPO / "launchers"
+SCRIPTS = REPO / "scripts"
 SLURM_STATE_DIR = os.environ.get("SAGE_SLURM_STATE_DIR", "/tmp/sage-slurm")
 READY_NODE_STATES = {"idle", "mixed", "allocated", "completing"}
 
@@ -77,13 +77,13 @@ def _node_state(env: dict[str, str]) -> str | None:
 def slurm_cluster():
     _require(
         ["sbatch", "sinfo", "sacct", "scancel", "slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd"],
-        "launchers/slurm_cluster.sh install",
+        "scripts/slurm_cluster.sh install",
     )
     # An already running cluster: the caller's SLURM_CONF, else our script's default location.
     conf = os.environ.get("SLURM_CONF") or f"{SLURM_STATE_DIR}/etc/slurm.conf"
     started = False
     if not (os.path.exists(conf) and _node_state({**os.environ, "SLURM_CONF": conf}) in READY_NODE_STATES):
-        out = _run_script([str(LAUNCHERS / "slurm_cluster.sh"), "start", SLURM_STATE_DIR], timeout=180)
+        out = _run_script([str(SCRIPTS / "slurm_cluster.sh"), "start", SLURM_STATE_DIR], timeout=180)
         exports = [ln for ln in out.splitlines() if ln.startswith("export SLURM_CONF=")]
         assert exports, f"slurm_cluster.sh start printed no SLURM_CONF export: {out!r}"
         conf = exports[-1].split("=", 1)[1].strip().strip("'\"")
@@ -95,7 +95,7 @@ def slurm_cluster():
         mp.setenv("SLURM_CONF", conf)
         yield env
     if started:
-        _run_script([str(LAUNCHERS / "slurm_cluster.sh"), "stop", SLURM_STATE_DIR], timeout=120)
+        _run_script([str(SCRIPTS / "slurm_cluster.sh"), "stop", SLURM_STATE_DIR], timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +103,7 @@ def mlflow_server(tmp_path_factory):
     if not (REPO / ".venv/bin/mlflow").exists() and not _have("mlflow"):
         pytest.fail("mlflow not found; install with: .venv/bin/pip install -e '.[dev]'", pytrace=False)
     state = tmp_path_factory.mktemp("mlflow-server")
-    script = str(LAUNCHERS / "mlflow_server.sh")
+    script = str(SCRIPTS / "mlflow_server.sh")
     uri = _run_script([script, "start", str(state), str(_free_port())], timeout=180).strip().splitlines()[-1]
     assert uri.startswith("http://127.0.0.1:"), uri
     try:
@@ -123,7 +123,7 @@ def postgres_url():
     # Not under tmp_path: pytest's base temp dir is mode 0700 (root), and the server runs as `postgres`.
     state = tempfile.mkdtemp(prefix="sage-pg-test-", dir="/tmp")
     os.chmod(state, 0o755)
-    script = str(LAUNCHERS / "postgres.sh")
+    script = str(SCRIPTS / "postgres.sh")
     try:
         url = _run_script([script, "start", state, str(_free_port())], timeout=120).strip().splitlines()[-1]
         assert url.startswith("postgresql+psycopg://"), url

@@ -1,7 +1,8 @@
 """Grids and Optuna studies through the SLURM launcher on a real single-node SLURM cluster, with real
 (shrunken) testbed runs: every job completes and is tagged in MLflow, a study resumes without re-running
 finished trials and retries the trial a killed driver lost, a killed job is reported failed promptly, and
-a preempted job is requeued and resumes from its checkpoint."""
+a preempted job is requeued and, run with the resume=auto the launcher gives every job, resumes from its
+checkpoint."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import pytest
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
-METHODS = sorted(p.stem for p in (REPO / "conf" / "method").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+SEARCHES = sorted(p.stem for p in (REPO / "conf" / "hparams_search").glob("*.yaml"))
 # The testbed's base model (cached in SAGE_CACHE_DIR / ~/.cache/sage, which the jobs inherit), 2 RL steps
 # and a tiny evaluation: the jobs are real sage-train runs, only short.
 SHRINK = [
-    "trainer.max_steps=2",
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "trl.max_steps=2",
+    "trl.per_device_train_batch_size=16",
+    "trl.num_generations=4",
     "eval.n_samples=4",
     "eval.ks=[1,4]",
     "eval.limit=4",
@@ -42,25 +43,43 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_every_method_composes(method):
-    """Each preset sets its label and the groups its comment promises; a guide always has a divergence."""
-    cfg = compose([f"method={method}"])
-    assert cfg.method == method
-    assert (cfg.trainer.max_steps == 0) == (method == "base")
-    if cfg.guide._target_ != "sage.objective.guides.NoGuide":
-        assert cfg.divergence.beta > 0, method
-    assert ("branch" in method) == (cfg.guide._target_ == "sage.objective.guides.BranchGuide")
-
-
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_names_existing_methods(experiment):
-    params = compose([f"experiment={experiment}"]).hydra.sweeper.params
-    assert set(str(params.method).split(",")) <= set(METHODS), params.method
+def test_every_experiment_composes(experiment):
+    """Each preset sets its method label and the groups its comment promises; a guide always has a
+    divergence."""
+    cfg = compose([f"experiment={experiment}"])
+    assert cfg.method == experiment
+    assert (cfg.trl.max_steps == 0) == (experiment == "base")
+    if cfg.guide._target_ != "sage.objective.guides.NoGuide":
+        assert cfg.divergence.beta > 0, experiment
+    assert ("branch" in experiment) == (cfg.guide._target_ == "sage.objective.guides.BranchGuide")
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_every_search_names_existing_experiments(search):
+    params = compose([f"hparams_search={search}"]).hydra.sweeper.params
+    assert set(str(params.experiment).split(",")) <= set(EXPERIMENTS), params.experiment
     for key in params:
-        if key != "method":  # every other swept key exists in the config of the experiment's method
-            cfg = compose([f"method={str(params.method).split(',')[0]}"])
+        if key != "experiment":  # every other swept key exists in the config of the search's experiment
+            cfg = compose([f"experiment={str(params.experiment).split(',')[0]}"])
             assert OmegaConf.select(cfg, key) is not None, key
+
+
+def test_the_optuna_search_of_table6_is_table6s_box():
+    """branch_threshold_ratio writes no space of its own: Optuna searches the box Table 6's grid spans."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from optuna.distributions import FloatDistribution
+
+    from sweeps.optuna import distribution
+
+    grid, search = (
+        compose([f"hparams_search={s}"]).hydra.sweeper for s in ("table6", "branch_threshold_ratio")
+    )
+    assert search.params == grid.params and search._target_.endswith("SageOptunaSweeper")
+    (threshold,) = OverridesParser.create().parse_overrides(
+        [f"guide.threshold={grid.params['guide.threshold']}"]
+    )
+    assert distribution("guide.threshold", threshold, search.choices_as.value) == FloatDistribution(0.8, 2.0)
 
 
 def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
@@ -152,7 +171,7 @@ def test_grid_through_slurm_every_job_completes(slurm_cluster, mlflow_server, tm
         driver(
             slurm_cluster,
             "hydra/launcher=slurm",
-            "method=grpo,grpo_branch",
+            "experiment=grpo,grpo_branch",
             "seed=1,2",
             f"hydra.sweep.dir={sweep_dir}",
             f"tracking.uri={mlflow_server}",
@@ -185,8 +204,7 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
 
     db = tmp_path / "study.db"
     common = [
-        "hydra/sweeper=optuna",
-        "sweep=branch_threshold_ratio",
+        "hparams_search=branch_threshold_ratio",
         "hydra/launcher=slurm",
         "hydra.sweeper.study_name=it-study",
         f"hydra.sweeper.storage=sqlite:///{db}",
@@ -238,14 +256,13 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
 
 @pytest.mark.integration
 def test_typo_fails_before_submission(slurm_cluster, tmp_path):
-    """A misspelt sweep param or experiment fails at once with one line naming it; nothing reaches SLURM."""
+    """A misspelt sweep param or search fails at once with one line naming it; nothing reaches SLURM."""
     base = [f"hydra.sweep.dir={tmp_path / 'never'}", "hydra/launcher=slurm"]
     rc, log = finish(
         driver(
             slurm_cluster,
             *base,
-            "hydra/sweeper=optuna",
-            "sweep=branch_threshold_ratio",
+            "hparams_search=branch_threshold_ratio",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
             "guide.treshold=interval(0.8,2.0)",
         ),
@@ -256,16 +273,15 @@ def test_typo_fails_before_submission(slurm_cluster, tmp_path):
         driver(
             slurm_cluster,
             *base,
-            "hydra/sweeper=optuna",
-            "sweep=branch_threshold_ratio",
+            "hparams_search=branch_threshold_ratio",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
             "guide.ratio=interval(0.5,0.1)",
         ),
         120,
     )
     assert rc != 0 and "sweep param guide.ratio: interval(0.5, 0.1) needs low < high" in log, log[-2000:]
-    rc, log = finish(driver(slurm_cluster, *base, "experiment=tabel1"), 120)
-    assert rc != 0 and "experiment/tabel1" in log, log[-2000:]
+    rc, log = finish(driver(slurm_cluster, *base, "hparams_search=tabel1"), 120)
+    assert rc != 0 and "hparams_search/tabel1" in log, log[-2000:]
     assert not (tmp_path / "never" / ".submitit").exists()
 
 
@@ -276,11 +292,11 @@ def test_killed_job_is_reported_failed(slurm_cluster, tmp_path):
     proc = driver(
         slurm_cluster,
         "hydra/launcher=slurm",
-        "method=grpo",
+        "experiment=grpo",
         f"hydra.sweep.dir={sweep_dir}",
         "tracking.enabled=false",
         *SHRINK,
-        "trainer.max_steps=500",
+        "trl.max_steps=500",
     )
     try:
         job = wait_for(lambda: running_job(slurm_cluster, sweep_dir), 120, "the job to run", proc)
@@ -310,19 +326,20 @@ def test_killed_job_is_reported_failed(slurm_cluster, tmp_path):
 
 @pytest.mark.integration
 def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_path):
-    """USR2 (SLURM's preemption/timeout warning) after the first checkpoint: submitit requeues the job and it
-    continues from that checkpoint with resume=true, in the same MLflow run, instead of starting over."""
+    """USR2 (SLURM's preemption/timeout warning) after the first checkpoint: submitit requeues the job and,
+    run with resume=auto by the launcher, it continues from that checkpoint in the same MLflow run instead of
+    starting over."""
     sweep_dir = tmp_path / "preempt"
     proc = driver(
         slurm_cluster,
         "hydra/launcher=slurm",
-        "method=grpo",
+        "experiment=grpo",
         f"hydra.sweep.dir={sweep_dir}",
         f"tracking.uri={mlflow_server}",
         "tracking.experiment=it-preempt",
         *SHRINK,
-        "trainer.max_steps=12",
-        "trainer.save_steps=2",
+        "trl.max_steps=12",
+        "trl.save_steps=2",
     )
     try:
         job = wait_for(lambda: running_job(slurm_cluster, sweep_dir), 120, "the job to run", proc)
@@ -337,10 +354,10 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_pa
             proc.kill()
     assert rc == 0, log[-4000:]
     out = sweep_dir / "0"
-    assert "resume=true" in (out / ".hydra" / "overrides.yaml").read_text()
+    assert "resume=auto" in (out / ".hydra" / "overrides.yaml").read_text()
     steps = [e["step"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
     assert steps == list(range(1, 13)), steps
     submitit_log = "".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.*"))
-    assert "Caught signal SIGUSR2" in submitit_log and "requeued job 0" in submitit_log
+    assert "Caught signal SIGUSR2" in submitit_log and "resume=auto: continuing from" in submitit_log
     (run,) = mlflow_runs(mlflow_server, "it-preempt")  # one run across both attempts
     assert run.info.status == "FINISHED" and run.data.tags["method"] == "grpo"

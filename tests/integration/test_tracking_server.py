@@ -11,9 +11,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 SHRINK = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
-    "trainer.save_steps=1",
+    "trl.per_device_train_batch_size=16",
+    "trl.num_generations=4",
+    "trl.save_steps=1",
     "eval.n_samples=4",
     "eval.ks=[1,4]",
     "eval.limit=4",
@@ -40,8 +40,8 @@ def test_run_logged_to_server_and_resumed(mlflow_server, tmp_path):
     out = tmp_path / "run"
     secret = "postgresql://optuna:hunter2@db.example:5432/optuna"
     common = [f"output_dir={out}", "tracking.experiment=server-test", f"+tracking.tags.storage={secret}"]
-    sage_train(mlflow_server, "trainer.max_steps=1", "divergence=forward_kl", *common)
-    sage_train(mlflow_server, "trainer.max_steps=2", "divergence=forward_kl", "resume=true", *common)
+    sage_train(mlflow_server, "trl.max_steps=1", "divergence=forward_kl", *common)
+    sage_train(mlflow_server, "trl.max_steps=2", "divergence=forward_kl", "resume=true", *common)
 
     client = MlflowClient(tracking_uri=mlflow_server)
     exp = client.get_experiment_by_name("server-test")

@@ -1,23 +1,25 @@
-"""Schema of ``hydra/sweeper=optuna`` and its sampler / pruner options; the search spaces of ``sweeps/*.yaml``
-become the config group ``sweep`` (package ``hydra.sweeper``), so ``sweep=<name>`` selects one and a
-misspelt key in it fails at composition with the key named.
+"""Schemas of ``hydra/sweeper=optuna`` and of its sampler / pruner options (registered with Hydra by
+hydra_plugins/sage_optuna_sweeper), so a misspelt key in a search space of conf/hparams_search/ fails at
+composition with the key named.
 
-    sage-train -m hydra/sweeper=optuna sweep=branch_threshold_ratio [hydra/launcher=slurm] [hydra.sweeper.K=V]
+    sage-train -m hparams_search=branch_threshold_ratio [hydra/launcher=slurm] [hydra.sweeper.K=V]
 """
 
-import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 
 class Direction(Enum):
     maximize = "maximize"
     minimize = "minimize"
+
+
+class ChoicesAs(Enum):
+    points = "points"
+    interval = "interval"
 
 
 # ---------------------------------------------------------------- samplers (hydra/sweeper/sampler=...)
@@ -75,7 +77,7 @@ class HyperbandPrunerConf:
 
 @dataclass
 class OptunaSweeperConf:
-    _target_: str = "hydra_plugins.sage_optuna_sweeper.sweeper.SageOptunaSweeper"
+    _target_: str = "hydra_plugins.sage_optuna_sweeper.SageOptunaSweeper"
     study_name: str = field(default="sage", metadata={"help": "the study (and MLflow tag 'study')"})
     storage: str = field(
         default="sqlite:///${hydra.runtime.cwd}/multirun/optuna/${.study_name}.db",
@@ -102,6 +104,13 @@ class OptunaSweeperConf:
             "choice(a,b,..) | range(a,b[,step]) | a fixed value"
         },
     )
+    choices_as: ChoicesAs = field(
+        default=ChoicesAs.points,
+        metadata={
+            "help": "points: a choice(a,b,..) param is searched among its values; interval: a choice of "
+            "numbers (a paper grid's values) is searched over the interval from its lowest to its highest"
+        },
+    )
     prune_on: str | None = field(
         default=None,
         metadata={
@@ -113,54 +122,3 @@ class OptunaSweeperConf:
     max_failures: int = field(default=8, metadata={"help": "failed trials in one invocation before stopping"})
     sampler: Any = MISSING
     pruner: Any = MISSING
-
-
-def register_sweeps(cs: ConfigStore) -> None:
-    """``sweeps/<name>.yaml`` -> ``sweep=<name>``; an unreadable file is reported, not fatal to other runs."""
-    try:
-        import sweeps
-    except ImportError:  # sage not installed: there are no project sweeps to offer
-        return
-    for folder in sweeps.__path__:
-        for path in sorted(Path(folder).glob("*.yaml")):
-            try:
-                node = OmegaConf.load(path)
-            except Exception as e:
-                print(f"[sage_optuna_sweeper] skipping {path}: {e}", file=sys.stderr)
-                continue
-            cs.store(group="sweep", name=path.stem, node=node, package="hydra.sweeper", provider="sage")
-
-
-cs = ConfigStore.instance()
-# Stored at the root package (its content is ``hydra.sweeper``) so that its ``sweep`` entry has the override
-# key ``sweep`` (under package hydra.sweeper it would be ``sweep@hydra.sweeper.sweep``). ``_self_`` first:
-# the chosen sampler, pruner and sweep file are merged over the schema's defaults.
-cs.store(
-    group="hydra/sweeper",
-    name="optuna",
-    node={
-        "defaults": [
-            "_self_",
-            {"/hydra/sweeper/sampler@hydra.sweeper.sampler": "tpe"},
-            {"/hydra/sweeper/pruner@hydra.sweeper.pruner": "nop"},
-            {"/sweep": None},
-        ],
-        "hydra": {"sweeper": OptunaSweeperConf},
-    },
-    package="_global_",
-    provider="sage_optuna_sweeper",
-)
-for _name, _node in [
-    ("tpe", TPESamplerConf),
-    ("random", RandomSamplerConf),
-    ("grid", GridSamplerConf),
-    ("nsga2", NSGAIISamplerConf),
-]:
-    cs.store(group="hydra/sweeper/sampler", name=_name, node=_node, package="hydra.sweeper.sampler")
-for _name, _node in [
-    ("nop", NopPrunerConf),
-    ("median", MedianPrunerConf),
-    ("hyperband", HyperbandPrunerConf),
-]:
-    cs.store(group="hydra/sweeper/pruner", name=_name, node=_node, package="hydra.sweeper.pruner")
-register_sweeps(cs)

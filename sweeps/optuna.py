@@ -1,10 +1,13 @@
-"""An Optuna 5 sweeper behind Hydra's Sweeper interface (hydra-optuna-sweeper pins optuna<3).
+"""An Optuna 5 sweeper behind Hydra's Sweeper interface (hydra-optuna-sweeper pins optuna<3); registered
+for Hydra as ``hydra/sweeper=optuna`` by hydra_plugins/sage_optuna_sweeper.
 
-    sage-train -m hydra/sweeper=optuna sweep=branch_threshold_ratio [hydra/launcher=slurm]
+    sage-train -m hparams_search=branch_threshold_ratio [hydra/launcher=slurm]
 
 How it runs a study:
-- The search space is ``hydra.sweeper.params`` (usually from ``sweeps/<name>.yaml``) plus any sweep-syntax
-  override on the command line; other overrides are passed unchanged to every trial. Before anything is
+- The search space is ``hydra.sweeper.params`` (usually from ``conf/hparams_search/<name>.yaml``) plus any
+  sweep-syntax override on the command line; other overrides are passed unchanged to every trial. With
+  ``choices_as: interval`` a choice of numbers (a paper grid's values) spans the interval from its lowest to
+  its highest value, so a grid and an Optuna search share one space. Before anything is
   submitted, every range is checked and one trial config per choice value is composed locally, so a
   misspelt key or bad range fails with one line naming it.
 - Trials are asked in batches of ``n_jobs`` and run through whichever Hydra launcher is selected (local
@@ -18,9 +21,10 @@ How it runs a study:
   ``weights`` they are combined into one value (sum of weight * metric). With several objectives the
   result is the Pareto front, printed and written to ``<sweep dir>/optimization_results.yaml``.
 - Pruning: with a pruner and ``prune_on`` (a periodic metric, e.g. ``eval/periodic/arith_heldout/pass@1``,
-  with ``eval.every_steps`` set), every trial reports that metric to the study at each periodic evaluation
-  and stops when the pruner says so; the sweeper records it as PRUNED. Single objective only (Optuna does
-  not prune multi-objective studies).
+  with ``eval.every_steps`` set), every trial gets ``+callbacks.optuna_pruning`` (sage.train.callbacks.
+  OptunaPruning with the study, the trial and this sweeper's pruner node): it reports that metric to the
+  study at each periodic evaluation and stops the run when the pruner says so; the sweeper records the
+  trial as PRUNED. Single objective only (Optuna does not prune multi-objective studies).
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ class SweepError(CompactHydraException):
     """A sweep that cannot start or must stop; the message is one line naming the key at fault."""
 
 
-def distribution(key: str, override: Override) -> Any:
+def distribution(key: str, override: Override, choices_as: str = "points") -> Any:
     """A sweep override (``choice``, ``range``, ``interval``, ``int(interval)``, ``tag(log, interval)``) ->
-    the Optuna distribution; a bad range raises SweepError naming the key."""
+    the Optuna distribution; with ``choices_as="interval"`` a choice of numbers becomes the interval between
+    its extremes. A bad range raises SweepError naming the key."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     sweep = override.value()
@@ -60,6 +65,11 @@ def distribution(key: str, override: Override) -> Any:
         bad = [c for c in choices if not isinstance(c, bool | int | float | str) and c is not None]
         if not choices or bad:
             raise SweepError(f"sweep param {key}: choice() needs scalar values, got {sweep.list}")
+        numbers = all(isinstance(c, int | float) and not isinstance(c, bool) for c in choices)
+        if choices_as == "interval" and numbers and len(set(choices)) > 1:
+            if all(isinstance(c, int) for c in choices):
+                return IntDistribution(min(choices), max(choices))
+            return FloatDistribution(float(min(choices)), float(max(choices)))
         return CategoricalDistribution(choices)
     if isinstance(sweep, RangeSweep):
         values = list(override.sweep_iterator())
@@ -79,7 +89,11 @@ def distribution(key: str, override: Override) -> Any:
 
 
 def quote(value: Any) -> str:
-    """A value as a Hydra override literal."""
+    """A value (a scalar, or dicts and lists of them) as a Hydra override literal."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{quote(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(quote(v) for v in value) + "]"
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
@@ -96,6 +110,7 @@ class SageOptunaSweeper(Sweeper):
         weights: Sequence[float] | None,
         directions: Sequence[Any],
         params: dict[str, str],
+        choices_as: Any,
         max_retries: int,
         max_failures: int,
         sampler: Any,
@@ -112,6 +127,7 @@ class SageOptunaSweeper(Sweeper):
         self.weights = None if weights is None else [float(w) for w in weights]
         self.directions = [getattr(d, "value", str(d)) for d in directions]
         self.params = {str(k): str(v) for k, v in (params or {}).items()}
+        self.choices_as = getattr(choices_as, "value", str(choices_as))
         self.max_retries = max_retries
         self.max_failures = max_failures
         self.sampler = sampler
@@ -181,12 +197,12 @@ class SageOptunaSweeper(Sweeper):
         space, fixed = {}, []
         for key, o in merged.items():
             if o.is_sweep_override():
-                space[key] = distribution(key, o)
+                space[key] = distribution(key, o, self.choices_as)
             else:
                 fixed.append(o.input_line)
         if not space:
             raise SweepError(
-                "nothing to search: hydra.sweeper.params (sweep=<name>) has no choice/range/interval"
+                "nothing to search: hydra.sweeper.params (hparams_search=<name>) has no choice/range/interval"
             )
         return space, fixed
 
@@ -196,17 +212,20 @@ class SageOptunaSweeper(Sweeper):
             *(f"{k}={quote(v)}" for k, v in params.items()),
             f"++tracking.tags.study={quote(self.study_name)}",
             f"++tracking.tags.trial={quote(str(number))}",
-            *(
-                [
-                    f"optuna_trial.storage={quote(self.storage)}",
-                    f"optuna_trial.study={quote(self.study_name)}",
-                    f"optuna_trial.number={number}",
-                    f"optuna_trial.metric={quote(self.prune_on)}",
-                ]
-                if self.prune_on is not None
-                else []
-            ),
+            *([f"+callbacks.optuna_pruning={quote(self.pruning_node(number))}"] if self.prune_on else []),
         ]
+
+    def pruning_node(self, number: int) -> dict[str, Any]:
+        """The trial's pruning callback: it reports ``prune_on`` to trial ``number`` of the study and asks
+        this sweeper's pruner (its config node: Optuna does not store the pruner with the study)."""
+        return {
+            "_target_": "sage.train.callbacks.OptunaPruning",
+            "storage": self.storage,
+            "study": self.study_name,
+            "trial": number,
+            "metric": self.prune_on,
+            "pruner": OmegaConf.to_container(self.config.hydra.sweeper.pruner, resolve=True),
+        }
 
     def compose_samples(self, space: dict[str, Any], fixed: list[str]) -> None:
         """Compose the trial config locally for the low end of every range and for each choice value."""
@@ -228,10 +247,10 @@ class SageOptunaSweeper(Sweeper):
                 msg = " ".join(str(e).split("Config search path")[0].split())  # one line, no search path
                 raise SweepError(f"a trial of this sweep does not compose ({s}): {msg}") from e
             if self.prune_on is not None:  # the trials must log the metric they will report
-                from sage.config import ConfigError, check_pruning
+                from sage.config import ConfigError, check_callbacks
 
                 try:
-                    check_pruning(cfg)
+                    check_callbacks(cfg)
                 except ConfigError as e:
                     raise SweepError(f"a trial of this sweep cannot be pruned ({s}): {e}") from e
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Usage: launchers/mlflow_server.sh start [DIR] [PORT] | stop [DIR] | status [DIR]   (defaults: /tmp/sage-mlflow, 5005)
+# Usage: scripts/mlflow_server.sh start [DIR] [PORT] | stop [DIR] | status [DIR]   (defaults: /tmp/sage-mlflow, 5005)
 #
 # A private MLflow tracking server: SQLite backend store and artifacts in DIR, bound to 127.0.0.1.
 # `start` waits for /health and prints the tracking URI (http://127.0.0.1:PORT) on stdout; progress
-# goes to stderr, so `export MLFLOW_TRACKING_URI="$(launchers/mlflow_server.sh start)"` works.
+# goes to stderr, so `export MLFLOW_TRACKING_URI="$(scripts/mlflow_server.sh start)"` works.
 # Starting an already running server is a no-op that prints its URI.
 set -euo pipefail
 

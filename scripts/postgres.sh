@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: launchers/postgres.sh start [DIR] [PORT] | stop [DIR] | status [DIR]   (defaults: /tmp/sage-postgres, 55432)
+# Usage: scripts/postgres.sh start [DIR] [PORT] | stop [DIR] | status [DIR]   (defaults: /tmp/sage-postgres, 55432)
 #
 # A private PostgreSQL 15 instance for Optuna studies shared by parallel SLURM trials (SQLite locks
 # up under concurrent writers). Data and socket live in DIR; it listens on 127.0.0.1:PORT only.

@@ -1,0 +1,118 @@
+"""The run does not know its launcher: ``resume=false|true|auto`` decides what sage-train does with the
+checkpoints in its output_dir (the command line's true/false included); the launchers give every job
+``resume=auto`` so a requeued job continues, and a job that fails comes back as a FAILED result that names
+it while the other jobs' results are kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from launchers.submitit import with_resume_auto
+from sage.config import ConfigError, Resume, register_configs, resume_mode
+
+REPO = Path(__file__).resolve().parents[1]
+# A run that builds nothing it does not need: no evaluation, no MLflow, one prompt group per step.
+QUICK = [
+    "trl.per_device_train_batch_size=4",
+    "trl.num_generations=2",
+    "trl.save_steps=1",
+    "eval.at_end=false",
+    "tracking.enabled=false",
+]
+register_configs()
+
+
+def cfg_for(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def sage_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sage.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def last_line(text: str) -> str:
+    return [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+
+
+def steps(out: Path) -> list[int]:
+    return [e["step"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
+
+
+def test_resume_true_false_auto_from_the_command_line():
+    assert resume_mode(cfg_for().resume) is Resume.false
+    for value in Resume:
+        assert resume_mode(cfg_for(f"resume={value.value}").resume) is value
+    with pytest.raises(ConfigError, match=r"resume=maybe is not one of \['false', 'true', 'auto'\]"):
+        resume_mode(cfg_for("resume=maybe").resume)
+    with pytest.raises(ConfigCompositionException, match="resume=7"):
+        cfg_for("resume=7")
+
+
+def test_a_bad_resume_value_is_one_line_before_anything_runs(tmp_path):
+    r = sage_train("resume=maybe", f"output_dir={tmp_path}")
+    assert (
+        r.returncode == 2
+        and last_line(r.stderr) == "error: resume=maybe is not one of ['false', 'true', 'auto']"
+    )
+    r = sage_train("resume=true", f"output_dir={tmp_path}")
+    assert r.returncode == 2 and last_line(r.stderr).startswith("error: resume=true but ")
+    assert not (tmp_path / "config.yaml").exists()  # refused before the run wrote anything
+
+
+def test_the_launchers_add_resume_auto_unless_the_job_chooses():
+    assert with_resume_auto(["seed=1", "experiment=grpo"]) == ["seed=1", "experiment=grpo", "resume=auto"]
+    assert with_resume_auto(["resume=false", "seed=1"]) == ["resume=false", "seed=1"]
+    assert with_resume_auto(["resume=true"]) == ["resume=true"]
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_without_a_checkpoint_and_continues_from_one(tmp_path):
+    out = tmp_path / "run"
+    r = sage_train(*QUICK, "trl.max_steps=1", "resume=auto", f"output_dir={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert steps(out) == [1] and (out / "rl" / "checkpoint-1").is_dir()
+    r = sage_train(*QUICK, "trl.max_steps=2", "resume=auto", f"output_dir={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resume=auto: continuing from {out / 'rl' / 'checkpoint-1'}" in r.stdout + r.stderr
+    assert steps(out) == [1, 2]  # step 1 was not trained again
+    r = sage_train(*QUICK, "trl.max_steps=3", f"output_dir={out}")  # resume=false: refused
+    assert r.returncode == 2 and "already holds checkpoints; pass resume=true (or auto)" in last_line(
+        r.stderr
+    )
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_reported_failed_and_the_others_still_run(tmp_path):
+    """Two local jobs: #0 is refused (a guide without a divergence), #1 runs. The sweep fails naming job
+    #0, job #1 finished, and each job ran with the resume=auto the launcher added."""
+    sweep = tmp_path / "sweep"
+    r = sage_train(
+        "-m",
+        "hydra/launcher=local",
+        f"hydra.sweep.dir={sweep}",
+        "guide=branch",
+        "divergence=none,reverse_kl",
+        "trl.max_steps=0",
+        *QUICK,
+    )
+    assert r.returncode != 0
+    assert "job #0 (submitit id" in r.stderr and "failed" in r.stderr, r.stderr[-3000:]
+    assert json.loads((sweep / "1" / "metrics.json").read_text()) == {}  # max_steps=0, no evaluation
+    for job in ("0", "1"):
+        assert "resume=auto" in (sweep / job / ".hydra" / "overrides.yaml").read_text()
