@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def from_hub(repo_id: str) -> str:
-    """A hub model id. Fails now, with the id named, if the hub is unreachable and the model is not cached,
-    rather than deep inside TRL after datasets and configs have been built."""
+    """A hub model id, or a local model folder (``model.source.repo_id=/path``: a copy on the cluster's
+    disk, an earlier run's checkpoint). Fails now, with the id named, if the hub is unreachable and the
+    model is not cached, rather than deep inside TRL after datasets and configs have been built."""
+    if Path(repo_id).is_dir():
+        return str(Path(repo_id).resolve())
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

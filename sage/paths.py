@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
+import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # An absolute path: relative config paths resolve differently under a console script and `python -m`.
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -19,3 +27,40 @@ def base_results_dir(model_path: str) -> Path:
     """Evaluation cells of a start model, shared by every run (and ``sage-eval``) that starts from it."""
     key = hashlib.sha256(str(Path(model_path).resolve()).encode()).hexdigest()[:16]
     return cache_dir() / "eval" / key
+
+
+def content_key(config: dict) -> str:
+    """A short stable hash of a JSON-able description of what a build depends on."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """``final`` built by ``build(tmp_folder)`` exactly once, however many processes ask at the same time.
+
+    The jobs of a grid on a cold cache all ask at once: one builds while the others wait on a lock and
+    then use its result, instead of each redoing the same work on shared cores. ``build`` writes ``marker``
+    last; the folder appears by an atomic rename, complete or not at all, so a killed build leaves nothing
+    half-written. (The lock is released when its holder dies; the rename still guards file systems where
+    flock does not reach across hosts.)
+    """
+    if (final / marker).exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / marker).exists():
+            log.info("built by a concurrent job: %s", final)
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        try:
+            build(tmp)
+            if not (tmp / marker).exists():
+                raise RuntimeError(f"the build of {final} did not write {marker}")
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / marker).exists():
+                raise
+            log.info("a concurrent build of %s finished first; using it", final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -95,6 +95,14 @@ def test_train_checkpoint_resume(tmp_path):
     assert any(not torch.equal(resumed[k], final[k]) for k in final)
     check_mlflow_record(out)
 
+    # a requeued job finding final/ complete at trl.max_steps skips RL: same model, no new step logged
+    saved = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", "resume=auto", "guide=branch")
+    assert "is complete at step 4: RL is not run again" in r.stdout + r.stderr
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == saved
+    log = json.loads((out / "train_log.json").read_text())
+    assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]
+
 
 def check_mlflow_record(out):
     """The resumed run continued the SAME MLflow run, with every step once and the eval numbers of

@@ -8,15 +8,12 @@ every experiment of a sweep loads the same folder instead of retraining.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
+import functools
 import json
 import logging
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +37,7 @@ BUILD_INFO_FILE = "testbed_build.json"
 
 
 def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return paths.content_key(config)
 
 
 def build_tiny_model(
@@ -82,38 +79,18 @@ def build_tiny_model(
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)
         return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # The jobs of a sweep on a cold cache all ask for the model at once: one builds it while the others
-    # wait on this lock and then load the result, instead of each training its own copy on shared cores.
-    # (The lock is released when its holder dies; the atomic rename below still guards file systems where
-    # flock does not reach across hosts.)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / BUILD_INFO_FILE).exists():
-            log.info("testbed model built by a concurrent job at %s", final)
-            return str(final)
-        return _build(config, final)
+    return str(paths.build_once(final, BUILD_INFO_FILE, functools.partial(_build, config)))
 
 
-def _build(config: dict, final: Path) -> str:
-    """Train the model of ``config`` and move it to ``final`` atomically."""
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
-        start = time.perf_counter()
-        model, tokenizer, final_loss = _train(config)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        info = {"config": config, "final_loss": final_loss, "build_seconds": time.perf_counter() - start}
-        (tmp / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2))
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / BUILD_INFO_FILE).exists():
-            raise
-        log.info("a concurrent build of %s finished first; using it", final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("testbed model built at %s", final)
-    return str(final)
+def _build(config: dict, folder: Path) -> None:
+    """Train the model of ``config`` into ``folder``; the build info is written last."""
+    start = time.perf_counter()
+    model, tokenizer, final_loss = _train(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    info = {"config": config, "final_loss": final_loss, "build_seconds": time.perf_counter() - start}
+    (folder / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2))
+    log.info("testbed model built")
 
 
 def make_model(config: dict, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import hydra
@@ -28,7 +29,7 @@ from sage.config import (
     register_configs,
     validate,
 )
-from sage.paths import CONF_DIR, base_results_dir
+from sage.paths import CONF_DIR, base_results_dir, cache_dir
 from sage.tracking import start_run
 
 log = logging.getLogger("sage.train.main")
@@ -93,6 +94,15 @@ def longest_prompt(trainer, dataset) -> int:
     return max((len(ids) for ids in tok(list(prompts))["input_ids"]), default=0)
 
 
+FINAL_FILE = "sage_final.json"
+
+
+def final_step(final: Path) -> int:
+    """The optimiser step a complete ``final/`` was saved at; -1 if there is none."""
+    marker = final / FINAL_FILE
+    return json.loads(marker.read_text())["global_step"] if marker.is_file() else -1
+
+
 def rl(
     cfg: DictConfig,
     callbacks: list,
@@ -104,7 +114,13 @@ def rl(
     last: str | None,
     out: Path,
 ) -> Path:
-    """The RL stage; returns the folder of the final model (or LoRA adapter)."""
+    """The RL stage; returns the folder of the final model (or LoRA adapter). ``final/`` appears by an
+    atomic rename once complete and records the step it was saved at: a requeued job that finds it at
+    ``trl.max_steps`` skips RL and goes on to the evaluation; a longer ``trl.max_steps`` trains on."""
+    final = out / "final"
+    if final_step(final) >= cfg.trl.max_steps:
+        log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
+        return final
     from sage.grading import math_verify_reward
     from sage.train.trainer import SageGRPOTrainer, describe_batch
 
@@ -121,10 +137,14 @@ def rl(
     )
     print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest_prompt(trainer, dataset)))
     trainer.train(resume_from_checkpoint=last)
-    final = out / "final"
-    trainer.save_model(str(final))
-    trainer.processing_class.save_pretrained(str(final))
+    saving = out / "final.partial"
+    shutil.rmtree(saving, ignore_errors=True)  # what a job killed while saving left behind
+    trainer.save_model(str(saving))
+    trainer.processing_class.save_pretrained(str(saving))
+    (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
+    shutil.rmtree(final, ignore_errors=True)  # an earlier, shorter run's model, replaced by this one
     (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
+    os.replace(saving, final)
     return final
 
 
@@ -213,7 +233,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.model.sft is not None:
         from sage.train.sft import run_sft
 
-        start_path = run_sft(cfg, base_path, out / "sft", lora_config(cfg))
+        start_path = run_sft(cfg, base_path, cache_dir() / "sft", lora_config(cfg))
 
     with start_run(cfg, out, kind="train") as tracker:
         if tracker is not None:

@@ -3,33 +3,58 @@
 The merged SFT model is both the RL start and the reference policy (TRL then uses a disabled adapter or a
 copy of these weights), never the pre-SFT base. ``model.sft.args`` is TRL's ``SFTConfig`` with its own
 keys; this module supplies only the output folder, the checkpoint policy and the model's dtype.
+
+The stage is a function of (base model, SFT data, SFT args, LoRA, dtype, template), so its result is
+stored once under that key and shared by every job of a grid that asks for it: the first job trains,
+the others wait on a lock and start from its folder (and share its base-model evaluation cells).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from sage.config import build, changed_only
+from sage.paths import build_once, content_key
 
 log = logging.getLogger(__name__)
 
+DONE_FILE = "sft_info.json"
 
-def run_sft(cfg: DictConfig, base_path: str, out: Path, peft_config) -> str:
-    """Train, merge the adapter into the weights, save to ``out/merged``; a finished stage is reused."""
-    merged = out / "merged"
-    if (merged / "config.json").exists():
-        log.info("SFT already done: %s", merged)
-        return str(merged)
+
+def sft_key(cfg: DictConfig, base_path: str) -> dict:
+    """Everything the merged model depends on."""
+    s, lora = cfg.model.sft, cfg.model.lora
+    return {
+        "base": str(Path(base_path).resolve()) if Path(base_path).exists() else base_path,
+        "data": OmegaConf.to_container(s.data, resolve=True),
+        "args": OmegaConf.to_container(changed_only(s.args)),
+        "lora": None if lora is None else OmegaConf.to_container(changed_only(lora)),
+        "dtype": str(cfg.model.dtype),
+        "chat": bool(cfg.model.chat),
+    }
+
+
+def run_sft(cfg: DictConfig, base_path: str, root: Path, peft_config) -> str:
+    """The merged SFT model's folder under ``root``, trained only if no job has built it yet."""
+    key = sft_key(cfg, base_path)
+    final = root / content_key(key)
+    if (final / DONE_FILE).exists():
+        log.info("SFT stage already done: %s", final)
+    return str(build_once(final, DONE_FILE, lambda folder: _train(cfg, base_path, folder, peft_config, key)))
+
+
+def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict) -> None:
     from trl import SFTTrainer
 
     s = cfg.model.sft
     dataset = build(s.data, chat=cfg.model.chat)
     args = build(
         changed_only(s.args),
-        output_dir=str(out),
+        output_dir=str(folder / "trainer"),
         save_strategy="no",  # only the merged result is kept
         model_init_kwargs={"dtype": str(cfg.model.dtype), **(s.args.model_init_kwargs or {})},
     )
@@ -38,6 +63,6 @@ def run_sft(cfg: DictConfig, base_path: str, out: Path, peft_config) -> str:
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model.save_pretrained(merged)
-    trainer.processing_class.save_pretrained(merged)
-    return str(merged)
+    model.save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+    (folder / DONE_FILE).write_text(json.dumps({"key": key, "log": trainer.state.log_history}, indent=2))
