@@ -182,7 +182,8 @@ def perplexity_frame(
     """(row, seed, run_id, ppl): the first ``cap`` completions of each source scored under its run's base
     model (tag ``base_model``), prompts rebuilt from the run's config.yaml."""
     from analysis.perplexity import completion_perplexities, load_base
-    from sage.eval.evaluate import load_eval_rows, prompt_texts
+    from sage.eval.evaluate import load_eval_rows
+    from sage.eval.sampling import prompt_texts
 
     base_of = dict(zip(runs["run_id"], runs["base_model"], strict=True))
     models: dict[str, tuple] = {}

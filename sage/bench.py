@@ -58,7 +58,7 @@ def bench_eval() -> dict[str, float]:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sage.eval.evaluate import HFSampler, SamplingSettings
+    from sage.eval.sampling import HFSampler, SamplingSettings
     from sage.grading import GradingPool
     from sage.paths import CONF_DIR
     from sage.testbed.model import build_tiny_model

@@ -85,3 +85,26 @@ def pass_at_k_curve(correct: ArrayLike, ks: Sequence[int] | None = None) -> dict
     c = matrix.astype(bool).sum(axis=1)
     per_problem = pass_at_k(n, c[:, None], np.asarray(k_values, dtype=np.int64)[None, :])
     return {k: float(mean) for k, mean in zip(k_values, per_problem.mean(axis=0), strict=True)}
+
+
+def pass_at_k_over_seeds(correct_by_seed: list[np.ndarray], ks: list[int]) -> dict[str, float]:
+    """pass@k per seed -> mean and std over seeds, for each reported k."""
+    curves = [pass_at_k_curve(c, ks) for c in correct_by_seed]
+    out = {}
+    for k in ks:
+        vals = np.array([c[k] for c in curves])
+        out[f"pass@{k}"] = float(vals.mean())
+        out[f"pass@{k}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+    return out
+
+
+def pass_at_k_curve_over_seeds(correct_by_seed: list[np.ndarray]) -> dict[str, list[float]]:
+    """pass@k for every k in 1..n: per seed, mean and std over seeds (Figure 3 of the paper)."""
+    per_seed = np.array([list(pass_at_k_curve(c).values()) for c in correct_by_seed])  # (seeds, n)
+    std = per_seed.std(axis=0, ddof=1) if len(per_seed) > 1 else np.zeros(per_seed.shape[1])
+    return {
+        "k": list(range(1, per_seed.shape[1] + 1)),
+        "mean": per_seed.mean(axis=0).tolist(),
+        "std": std.tolist(),
+        "per_seed": per_seed.tolist(),
+    }

@@ -30,7 +30,7 @@ from transformers import (
 import sage.eval.evaluate as ev
 from sage.config import ConfigError
 from sage.eval.decode import CompactDecoder, DecodeState, KVCache, sample_batch, unsupported_reason
-from sage.eval.evaluate import HFSampler, SamplingSettings
+from sage.eval.sampling import HFSampler, SamplingSettings
 from sage.testbed.tokenizer import build_tokenizer
 
 ATOL = 1e-4

@@ -1,6 +1,6 @@
 """The evaluator: stored cells are reused only under identical settings, a killed evaluation resumes only
 the missing cells, results carry the full pass@k curve and the settings; and, end to end, ``sage-eval``
-gives the trainer's numbers, runs the real math suite, evaluates LoRA adapters and refuses rollout=vllm
+gives the trainer's numbers, runs the real math suite, evaluates LoRA adapters and refuses eval.backend=vllm
 on a machine without CUDA."""
 
 from __future__ import annotations
@@ -18,20 +18,30 @@ import torch
 from omegaconf import OmegaConf
 
 import sage.eval.evaluate as ev
+import sage.eval.sampling as sampling
 from sage.data.benchmarks import math_data
 from sage.data.verifiers import grade
-from sage.eval.evaluate import Samples, evaluate_model
+from sage.eval.checkpoint import Checkpoint
+from sage.eval.evaluate import evaluate_model
+from sage.eval.sampling import Samples
 from sage.testbed.tokenizer import build_tokenizer
 
 ROWS = {
     "a": [{"id": f"a{i}", "problem": f"{i}+1=", "answer": str(i + 1)} for i in range(3)],
     "b": [{"id": f"b{i}", "problem": f"{i}*2=", "answer": str(2 * i)} for i in range(2)],
 }
-HF = SimpleNamespace(use_vllm=False)
 
 
 def eval_cfg(**changes):
-    base = {"n_samples": 4, "ks": [1, 4], "seeds": [0, 1], "temperature": 1.0, "top_p": 1.0, "batch_size": 8}
+    base = {
+        "n_samples": 4,
+        "ks": [1, 4],
+        "seeds": [0, 1],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "batch_size": 8,
+        "backend": "hf",
+    }
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -106,7 +116,6 @@ def run(checkpoint, results_dir, cfg=None, rows=ROWS, **kw):
         max_new_tokens=kw.pop("max_new_tokens", 16),
         results_dir=results_dir,
         dtype=kw.pop("dtype", "float32"),
-        rollout=HF,
     )
 
 
@@ -140,7 +149,7 @@ def test_cells_are_not_reused_under_other_settings(checkpoint, sampler, tmp_path
     assert len(sampler.calls) == 4
     change = dict(change)
     if change.pop("template", False):  # another system prompt / template renders other prompts
-        monkeypatch.setattr(ev, "make_prompt", lambda problem, chat: f"Solve: {problem}")
+        monkeypatch.setattr(sampling, "make_prompt", lambda problem, chat: f"Solve: {problem}")
     run(checkpoint, tmp_path / "res", **change)
     assert len(sampler.calls) == 8
     cells = sorted(p.name for p in (tmp_path / "res" / "a").iterdir())
@@ -227,10 +236,10 @@ def sage_eval(*overrides: str, check: bool = True) -> subprocess.CompletedProces
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_vllm_without_cuda_stops_with_one_line(tmp_path):
-    r = sage_eval("rollout=vllm", f"output_dir={tmp_path}", check=False)
+    r = sage_eval("eval.backend=vllm", f"output_dir={tmp_path}", check=False)
     assert r.returncode == 2
     assert r.stderr.strip() == (
-        "error: rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
+        "error: eval.backend=vllm needs a CUDA GPU and none is visible; use eval.backend=hf on this machine"
     )
     assert not (tmp_path / "results.json").exists()
 
@@ -281,9 +290,11 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
     (adapter / "adapter_config.json").write_text(
         json.dumps({"base_model_name_or_path": "/models/base", "r": 8})
     )
-    rollout = SimpleNamespace(use_vllm=True, vllm_gpu_memory_utilization=0.45, vllm_tensor_parallel_size=2)
+    eval_cfg_vllm = SimpleNamespace(
+        backend="vllm", vllm_gpu_memory_utilization=0.45, vllm_tensor_parallel_size=2
+    )
 
-    sampler = ev.VllmSampler(ev.Checkpoint.resolve(str(adapter)), "bfloat16", rollout)
+    sampler = sampling.VllmSampler(Checkpoint.resolve(str(adapter)), "bfloat16", eval_cfg_vllm)
     assert fake.engines == [
         {
             "model": "/models/base",  # the base model; the adapter is not merged but served as LoRA
@@ -295,7 +306,9 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
             "tensor_parallel_size": 2,
         }
     ]
-    s = ev.SamplingSettings(n_samples=4, temperature=0.3, top_p=0.95, max_new_tokens=16, chat=True, seed=2)
+    s = sampling.SamplingSettings(
+        n_samples=4, temperature=0.3, top_p=0.95, max_new_tokens=16, chat=True, seed=2
+    )
     out = sampler.sample([[5, 6, 7], [8]], s)
     assert len(fake.generate_calls) == 1  # every prompt and all its samples in one call
     prompts, params, lora = fake.generate_calls[0]
@@ -306,7 +319,8 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
     assert out.completions == [[f"p{i}s{j}" for j in range(4)] for i in range(2)]
     assert out.n_tokens == 2 * (1 + 2 + 3 + 4)
 
-    ev.VllmSampler(ev.Checkpoint.resolve("/models/full"), "float16", rollout)  # full weights: no LoRA
+    # full weights: no LoRA
+    sampling.VllmSampler(Checkpoint.resolve("/models/full"), "float16", eval_cfg_vllm)
     assert fake.engines[-1]["model"] == "/models/full" and fake.engines[-1]["enable_lora"] is False
 
 
@@ -405,7 +419,7 @@ def test_a_lora_adapter_is_merged_onto_its_base_and_evaluated(tmp_path):
     AutoTokenizer.from_pretrained(base).save_pretrained(adapter)
     expected = peft_model.merge_and_unload().state_dict()
 
-    checkpoint = ev.Checkpoint.resolve(str(adapter))
+    checkpoint = Checkpoint.resolve(str(adapter))
     assert checkpoint.adapter == str(adapter) and checkpoint.base == base
     loaded = ev.HFSampler.load(
         checkpoint, AutoTokenizer.from_pretrained(base), "float32", 8

@@ -15,7 +15,7 @@ import torch
 
 import sage.eval.kernels as kernels
 from sage.eval.decode import CompactDecoder
-from sage.eval.evaluate import HFSampler, SamplingSettings
+from sage.eval.sampling import HFSampler, SamplingSettings
 from sage.testbed.tokenizer import build_tokenizer
 
 NAN = float("nan")

@@ -60,7 +60,8 @@ ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
-    from sage.eval.evaluate import check_backend, evaluate_model, format_table, load_eval_rows
+    from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
+    from sage.eval.sampling import check_backend
 
     check_eval(cfg.eval)
     check_backend(cfg.eval)

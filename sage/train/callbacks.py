@@ -40,7 +40,7 @@ class PeriodicEval(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every:
             return
-        from sage.eval.evaluate import sample_completions
+        from sage.eval.sampling import sample_completions
 
         rng = torch.get_rng_state()
         was_training = model.training

@@ -151,7 +151,7 @@ def rl(
 def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
     """MLflow logging of every step, the ``callbacks`` node's callbacks, and the periodic held-out evaluation
     if asked for (it hands its metrics to those callbacks)."""
-    from sage.eval.evaluate import SamplingSettings
+    from sage.eval.sampling import SamplingSettings
     from sage.tracking import step_callback
     from sage.train.callbacks import PeriodicEval
 

@@ -1,0 +1,84 @@
+"""Result cells: one stored (checkpoint, dataset, seed) evaluation, keyed by everything that changes its
+samples so that results made under other settings are never mixed in, written atomically so that a killed
+evaluation leaves no half-finished cell; and the run's ``results.json``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sage.eval.sampling import SamplingSettings
+from sage.metrics import pass_at_k_curve
+
+RESULTS_FILE = "results.json"
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """Everything that changes the samples of a stored cell, recorded with it: the sampling settings and
+    what they were applied to. ``template`` fingerprints the rendered prompt (system prompt, chat template,
+    output tags); ``model`` the checkpoint's files (Checkpoint.fingerprint)."""
+
+    settings: SamplingSettings
+    template: str
+    backend: str
+    dtype: str
+    model: str
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cell_dir(results_dir: Path, key: CellKey) -> Path:
+    return results_dir / f"{key.key()}_seed{key.settings.seed}"
+
+
+def load_cell(cell: Path, key: CellKey, ids: list[str]) -> dict | None:
+    """A finished cell made under exactly this key and these problems, else None."""
+    if not (cell / "correct.npy").exists():
+        return None
+    meta = json.loads((cell / "meta.json").read_text())
+    if meta["key"] != asdict(key) or meta["ids"] != ids:
+        return None
+    return {
+        "correct": np.load(cell / "correct.npy"),
+        "completions": json.loads((cell / "completions.json").read_text()),
+    }
+
+
+def store_cell(
+    cell: Path, key: CellKey, ids: list[str], correct: np.ndarray, completions: list[list[str]]
+) -> None:
+    """Written to a temporary folder and renamed: a killed evaluation leaves no half-finished cell."""
+    tmp = cell.with_name(cell.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "correct.npy", correct)
+    (tmp / "completions.json").write_text(json.dumps(completions))
+    (tmp / "curve.json").write_text(json.dumps(pass_at_k_curve(correct)))
+    (tmp / "meta.json").write_text(json.dumps({"key": asdict(key), "ids": ids}))
+    if cell.exists():  # a stale cell under the same key (its problems changed): replaced, not mixed
+        shutil.rmtree(cell)
+    tmp.rename(cell)
+
+
+def write_results(path: Path, model_path: str, results: dict[str, dict]) -> None:
+    payload: dict[str, Any] = {
+        "checkpoint": model_path,
+        "datasets": {
+            name: {
+                "n_problems": int(r["correct"][0].shape[0]),
+                "summary": r["summary"],
+                "curve": r["curve"],
+                "settings": r["settings"],
+            }
+            for name, r in results.items()
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))

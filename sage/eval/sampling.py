@@ -1,0 +1,322 @@
+"""Sampling: the settings every backend takes, the prompts they are applied to, and the samplers (the HF
+backend's own decode loop and vLLM) that turn prompt ids into n completions each."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+import torch
+
+from sage.config import ConfigError
+from sage.data.prompts import make_prompt
+from sage.eval.checkpoint import ADAPTER_CONFIG, Checkpoint
+from sage.eval.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample: the parameters every backend takes."""
+
+    n_samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    chat: bool
+    seed: int
+
+
+def prompt_texts(tokenizer, rows: list[dict], chat: bool) -> list[str]:
+    """The training template (``make_prompt``), rendered with the model's chat template if any."""
+    prompts = [make_prompt(r["problem"], chat) for r in rows]
+    if chat:
+        return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    return prompts
+
+
+def template_fingerprint(tokenizer, chat: bool) -> str:
+    rendered = prompt_texts(tokenizer, [{"problem": "{problem}"}], chat)[0]
+    return hashlib.sha256(rendered.encode()).hexdigest()[:12]
+
+
+def check_backend(eval_cfg) -> None:
+    """eval.backend=vllm's requirements, checked before anything is loaded; each failure is one line."""
+    if eval_cfg.backend != "vllm":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "eval.backend=vllm needs a CUDA GPU and none is visible; use eval.backend=hf on this machine"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("eval.backend=vllm needs the vllm package: pip install -e '.[vllm]'")
+
+
+@dataclass
+class Samples:
+    completions: list[list[str]]  # (rows, n_samples)
+    n_tokens: int  # sampled tokens, eos included, padding excluded
+
+
+class Sampler(Protocol):
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples: ...
+
+
+def _chunks(order: list[int], n: int, batch_size: int) -> Iterator[list[tuple[int, int]]]:
+    """Groups of (row, copies) with at most batch_size sequences in all; a row's n samples may span
+    groups when n > batch_size."""
+    chunk: list[tuple[int, int]] = []
+    room = batch_size
+    for row in order:
+        left = n
+        while left:
+            take = min(left, room)
+            chunk.append((row, take))
+            left -= take
+            room -= take
+            if room == 0:
+                yield chunk
+                chunk, room = [], batch_size
+    if chunk:
+        yield chunk
+
+
+class HFSampler:
+    """transformers backend (the CPU default), on a loaded model (also the one being trained, for the
+    periodic evaluation) in eval mode.
+
+    Llama-family models (Qwen2, Llama, Mistral) are decoded by :class:`sage.eval.decode.CompactDecoder`, which
+    computes the model's forward pass op for op with fused projections and a preallocated cache; any other
+    model (or a PEFT-wrapped one) by the same loop around transformers' own forward, at about half the
+    speed. Both sample the same distribution; the choice and its reason are logged, as is the compact
+    decoder's fallback to torch-ops attention where its C++ kernel cannot be built."""
+
+    def __init__(self, model, tokenizer, batch_size: int) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ConfigError(
+                f"{model.name_or_path}: neither generation_config nor tokenizer names an eos token"
+            )
+        self.eos = torch.tensor(eos if isinstance(eos, list) else [eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
+        self.tokenizer = tokenizer
+        reason = unsupported_reason(model)
+        self.decoder = "compact" if reason is None else "transformers"
+        if reason is not None:
+            log.warning("evaluation decodes with transformers' forward (slower): compact decoder: %s", reason)
+        self._cache: KVCache | None = None  # reused across calls: fresh pages cost a fault on first touch
+        self._fallback_logged = False
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, tokenizer, dtype: str, batch_size: int) -> HFSampler:
+        """A LoRA adapter is merged onto its base with peft."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.base, dtype=getattr(torch, dtype))
+        if checkpoint.adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, checkpoint.adapter).merge_and_unload()
+        return cls(model.eval(), tokenizer, batch_size)
+
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        out: list[list[str]] = [[] for _ in prompt_ids]
+        generator = torch.Generator(device=self.model.device).manual_seed(s.seed)
+        if self.decoder == "compact":
+            # weights are packed per call: the periodic evaluation sees the current training weights
+            decoder = CompactDecoder(self.model)
+            if decoder.attention_fallback is not None and not self._fallback_logged:
+                log.warning(
+                    "evaluation attends with torch ops (about 1.3x slower on the testbed): %s",
+                    decoder.attention_fallback,
+                )
+                self._fallback_logged = True
+            cache = self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
+
+            def decode(prompts, copies):
+                return sample_batch(
+                    decoder,
+                    cache,
+                    prompts,
+                    copies,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    eos=self.eos,
+                    pad_id=self.pad_id,
+                    generator=generator,
+                )
+        else:
+
+            def decode(prompts, copies):
+                return self._decode(prompts, copies, s, generator)
+
+        n_tokens = 0
+        for chunk in _chunks(order, s.n_samples, self.batch_size):
+            tokens, lengths = decode([prompt_ids[r] for r, _ in chunk], [c for _, c in chunk])
+            n_tokens += int(lengths.sum())
+            texts = self.tokenizer.batch_decode(
+                [t[:n].tolist() for t, n in zip(tokens, lengths, strict=True)], skip_special_tokens=True
+            )
+            rows = [r for r, c in chunk for _ in range(c)]
+            for r, text in zip(rows, texts, strict=True):
+                out[r].append(text)
+        return Samples(out, n_tokens)
+
+    def _compact_cache(self, decoder: CompactDecoder, slots: int, sequences: int) -> KVCache:
+        """The cache of the generated tokens (``slots`` per row) of the previous call if it is large
+        enough, else a new one; refused up front if it cannot fit in the memory available now."""
+        rows = min(self.batch_size, sequences)
+        if self._cache is not None and self._cache.slots >= slots and self._cache.rows >= rows:
+            return self._cache
+        self._cache = None  # free the old one before allocating
+        need = KVCache.nbytes(len(decoder.layers), slots, rows, decoder.n_kv, decoder.head_dim, decoder.dtype)
+        available = psutil.virtual_memory().available
+        if need > 0.8 * available:
+            raise ConfigError(
+                f"eval.batch_size={self.batch_size}: the KV cache for {rows} sequences of {slots} tokens "
+                f"needs {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB is available; "
+                "lower eval.batch_size"
+            )
+        self._cache = decoder.cache(slots, rows)
+        return self._cache
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompts: list[list[int]], copies: list[int], s: SamplingSettings, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' forward with a DynamicCache, for models the compact decoder does not cover:
+        (sum(copies), max_new_tokens) sampled ids and each sequence's length (eos included)."""
+        from transformers import DynamicCache
+
+        dev = self.model.device
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=dev)  # (P, L)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)  # (P, L)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]  # (P, V)
+        # every distinct prompt is prefilled once; its cache is then copied to each of its samples
+        expand = torch.repeat_interleave(
+            torch.arange(len(prompts), device=dev), torch.tensor(copies, device=dev)
+        )
+        cache.batch_select_indices(expand)
+        logits, mask, position = logits[expand], mask[expand], positions[expand, -1]
+        # without padding no mask is needed, and attention takes its fast path (no (B, 1, 1, T) mask)
+        padded = bool((mask == 0).any())
+        total = len(expand)
+        tokens = torch.full((total, s.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)  # (B, T)
+        lengths = torch.full((total,), s.max_new_tokens, dtype=torch.long, device=dev)  # (B,)
+        alive = torch.arange(total, device=dev)  # batch row -> output row
+        eos = self.eos.to(dev)
+        for t in range(s.max_new_tokens):
+            nxt = pick(logits, s.temperature, s.top_p, generator)  # (b,)
+            tokens[alive, t] = nxt
+            done = torch.isin(nxt, eos)
+            lengths[alive[done]] = t + 1
+            if t == s.max_new_tokens - 1 or bool(done.all()):
+                break
+            if bool(done.any()):  # finished sequences leave the batch: no compute on padding
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                alive, nxt, mask, position = alive[keep], nxt[keep], mask[keep], position[keep]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            position = position + 1
+            logits = self.model(
+                input_ids=nxt[:, None],
+                attention_mask=mask if padded else None,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        return tokens.cpu(), lengths.cpu()
+
+
+class VllmSampler:
+    """vLLM backend (CUDA): one engine per checkpoint; all prompts x n samples of a cell in one call; a
+    LoRA adapter is served with vLLM's LoRA support instead of being merged."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
+        from vllm import LLM
+
+        lora_rank = None
+        if checkpoint.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_rank = int(json.loads((Path(checkpoint.adapter) / ADAPTER_CONFIG).read_text())["r"])
+            self.lora = LoRARequest("checkpoint", 1, checkpoint.adapter)
+        else:
+            self.lora = None
+        self.llm = LLM(
+            model=checkpoint.base,
+            tokenizer=checkpoint.tokenizer,
+            dtype=dtype,
+            enable_lora=lora_rank is not None,
+            max_lora_rank=lora_rank or 16,
+            gpu_memory_utilization=eval_cfg.vllm_gpu_memory_utilization,
+            tensor_parallel_size=eval_cfg.vllm_tensor_parallel_size,
+        )
+
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
+        from vllm import SamplingParams
+
+        # one seed per prompt (derived from the cell's seed) so that problems do not share a random stream
+        params = [
+            SamplingParams(
+                n=s.n_samples,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_new_tokens,
+                seed=s.seed * 1_000_003 + i,
+            )
+            for i in range(len(prompt_ids))
+        ]
+        # token ids, not text: vLLM would add special tokens that the HF backend does not
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=self.lora, use_tqdm=False
+        )
+        completions = [[o.text for o in out.outputs] for out in outputs]
+        return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
+
+
+def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:
+    check_backend(eval_cfg)
+    if eval_cfg.backend == "vllm":
+        return VllmSampler(checkpoint, dtype, eval_cfg)
+    return HFSampler.load(checkpoint, tokenizer, dtype, eval_cfg.batch_size)
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], chat: bool) -> list[list[int]]:
+    """Prompt token ids; no special tokens added (a chat template already holds the ones it wants)."""
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts(tokenizer, rows, chat)]
+
+
+def sample_completions(
+    model, tokenizer, rows: list[dict], s: SamplingSettings, batch_size: int
+) -> list[list[str]]:
+    """n_samples completions per row from an already loaded model (the HF backend's decode loop)."""
+    return (
+        HFSampler(model, tokenizer, batch_size)
+        .sample(tokenize_prompts(tokenizer, rows, s.chat), s)
+        .completions
+    )
