@@ -426,10 +426,10 @@ def test_unsupported_model_samples_with_transformers_forward(caplog):
     torch.manual_seed(0)
     model = randomised(UNSUPPORTED["gpt2"][0]())
     tokenizer = build_tokenizer()
-    with caplog.at_level(logging.WARNING, logger="sage.eval.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="sage.eval.sampling"):
         sampler = HFSampler(model, tokenizer, batch_size=3)
     assert sampler.decoder == "transformers"
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "sage.eval.evaluate"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "sage.eval.sampling"]
     assert len(warnings) == 1 and "gpt2" in warnings[0].getMessage()
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     s = SamplingSettings(n_samples=2, temperature=1.0, top_p=1.0, max_new_tokens=6, chat=False, seed=0)

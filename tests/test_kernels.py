@@ -115,8 +115,8 @@ def test_auto_attention_falls_back_with_the_reason_and_kernel_refuses(monkeypatc
         CompactDecoder(model, attention="kernel")
     sampler = HFSampler(model, build_tokenizer(), batch_size=4)
     s = SamplingSettings(n_samples=2, temperature=1.0, top_p=1.0, max_new_tokens=5, chat=False, seed=0)
-    with caplog.at_level(logging.WARNING, logger="sage.eval.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="sage.eval.sampling"):
         sampler.sample([[5, 6, 7], [8, 9]], s)
         sampler.sample([[5, 6, 7], [8, 9]], s)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "sage.eval.evaluate"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sage.eval.sampling"]
     assert len(warnings) == 1 and "no c++ compiler" in warnings[0]  # once per sampler, with the reason
