@@ -27,7 +27,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-import sage.eval.evaluate as ev
+import sage.eval.sampling as sampling
 from sage.config import ConfigError
 from sage.eval.decode import CompactDecoder, DecodeState, KVCache, sample_batch, unsupported_reason
 from sage.eval.sampling import HFSampler, SamplingSettings
@@ -459,12 +459,12 @@ def test_compact_cache_is_reused_and_refused_when_memory_is_short(monkeypatch):
     need = KVCache.nbytes(len(decoder.layers), 60, 8, decoder.n_kv, decoder.head_dim, decoder.dtype)
     assert need == 5 * 60 * 8 * 2 * 16 * 4  # 2 layers x (keys, values) + scratch, float32
     monkeypatch.setattr(
-        ev.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 0.99))
+        sampling.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 0.99))
     )
     with pytest.raises(ConfigError, match=r"eval\.batch_size=8"):
         sampler._compact_cache(decoder, 60, 20)
     monkeypatch.setattr(
-        ev.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 1.01))
+        sampling.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(need / 0.8 * 1.01))
     )
     fits = sampler._compact_cache(decoder, 60, 20)
     assert (fits.slots, fits.rows) == (60, 8)
