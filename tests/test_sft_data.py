@@ -10,26 +10,10 @@ from sage.data.datasets import arith_sft_dataset, sft_dataset
 from sage.testbed.model import build_tiny_model
 from sage.testbed.tokenizer import build_tokenizer
 
-# Qwen's ChatML turn format, the part TRL's prompt/completion split depends on.
-CHATML = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def chat_tokenizer():
-    tok = build_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    return tok
-
-
-def tokenised(dataset, tokenizer, tmp_path):
+def tokenised(dataset, tokenizer, tmp_path, chat=False):
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=512, bf16=False)
     trainer = SFTTrainer(
-        model=build_tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer
+        model=build_tiny_model(chat=chat), args=args, train_dataset=dataset, processing_class=tokenizer
     )
     return trainer.train_dataset
 
@@ -44,17 +28,16 @@ def test_chat_sft_rows_pass_trls_tokenisation(tmp_path):
     ds = sft_dataset(str(src), "train", max_prompt_length=100, chat=True)
     assert len(ds) == 1  # the non-numeric answer is dropped
     assert ds[0]["completion"][0]["role"] == "assistant" and ds[0]["prompt"][-1]["role"] == "user"
-    tok = chat_tokenizer()
-    row = tokenised(ds, tok, tmp_path)[0]
+    tok = build_tokenizer(chat=True)  # model=tiny_chat's: Qwen2.5's ChatML turns
+    row = tokenised(ds, tok, tmp_path, chat=True)[0]
     ids, mask = row["input_ids"], [label != -100 for label in row["labels"]]  # what the loss covers
     completion = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
     prompt = tok.decode([i for i, m in zip(ids, mask, strict=True) if not m])
     assert completion.startswith("<start_working_out>12+30=42<end_working_out><SOLUTION>42</SOLUTION>")
     assert "<|im_end|>" in completion  # the model learns to end its turn
-    # system, user, and the assistant header ("assistant\n": ten characters outside the testbed's alphabet)
-    assert prompt.count("<|im_start|>") == 3 and prompt.endswith(
-        "12+30=<|im_end|><unk><|im_start|>" + "<unk>" * 10
-    )
+    # system, user, and the assistant header the model answers after
+    assert prompt.count("<|im_start|>") == 3 and prompt.endswith("12+30=<|im_end|>\n<|im_start|>assistant\n")
+    assert "<unk>" not in prompt + completion
 
 
 def test_bare_text_sft_rows_stay_strings(tmp_path):

@@ -33,6 +33,8 @@ BUILD_FORMAT_VERSION = 1
 that stale cached models are never reused."""
 MAX_POSITIONS = 128
 """Prompt (<= 8 tokens) plus the longest completion (~45 tokens) plus eos, with room for RL drift."""
+CHAT_MAX_POSITIONS = 320
+"""The chat variant's prompt carries the system prompt in ChatML turns (about 180 tokens)."""
 BUILD_INFO_FILE = "testbed_build.json"
 
 
@@ -54,11 +56,16 @@ def build_tiny_model(
     strategy_probs: tuple[float, float, float] = DEFAULT_STRATEGY_PROBS,
     slip_rate: float = DEFAULT_SLIP_RATE,
     seed: int = 0,
+    chat: bool = False,
     cache_dir: str | None = None,
 ) -> str:
     """Path of a folder with the trained model and tokenizer (``save_pretrained`` of both), training it
     only if no build of this exact config is cached. The folder appears atomically, complete or not at
-    all, so a killed build or two concurrent builds never leave a half-written model behind."""
+    all, so a killed build or two concurrent builds never leave a half-written model behind.
+
+    ``chat``: the ``tiny_chat`` base, with the ChatML tokenizer. It is trained on the same bare problems
+    and traces (ending in ``<|im_end|>``), never on a chat turn: like a pretrained base model it has to be
+    taught the chat format by the SFT stage."""
     config = {
         "format_version": BUILD_FORMAT_VERSION,
         "hidden_size": hidden_size,
@@ -74,6 +81,8 @@ def build_tiny_model(
         "slip_rate": slip_rate,
         "seed": seed,
     }
+    if chat:  # only then: the plain model's cache key (and its cached builds) stay what they were
+        config["chat"] = True
     root = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
@@ -103,7 +112,7 @@ def make_model(config: dict, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCaus
         num_hidden_layers=config["num_layers"],
         num_attention_heads=config["num_heads"],
         num_key_value_heads=config["num_heads"],
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=CHAT_MAX_POSITIONS if config.get("chat") else MAX_POSITIONS,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -174,7 +183,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 def _train(config: dict) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, float]:
     rng = random.Random(config["seed"])
     torch.manual_seed(config["seed"])
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat=config.get("chat", False))
     model = make_model(config, tokenizer)
     log.info("training testbed model: %d params, config %s", model.num_parameters(), config)
     examples = _teacher_examples(config, tokenizer, rng)
