@@ -330,6 +330,7 @@ def validate(cfg: DictConfig) -> None:
     check_eval(cfg.eval)
     resume_mode(cfg.resume)
     check_callbacks(cfg)
+    check_optimisers(cfg)
 
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
@@ -364,6 +365,27 @@ def check_callbacks(cfg: DictConfig) -> None:
                 f"callbacks.{name}.metric={node.metric} is not a periodic metric of this run; "
                 f"choose from {allowed}"
             )
+
+
+def check_optimisers(cfg: DictConfig) -> None:
+    """An 8-bit optimiser (bitsandbytes, CUDA only) asked for where it cannot run fails here, in one line,
+    not at the optimiser's creation after the model and the SFT stage are built."""
+    import importlib.util
+
+    import torch
+
+    keys = {"trl.optim": cfg.trl.optim}
+    if cfg.model.get("sft") is not None:
+        keys["model.sft.args.optim"] = cfg.model.sft.args.get("optim")
+    for key, optim in keys.items():
+        if optim is None or "8bit" not in str(optim):
+            continue
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{key}={optim} needs a CUDA GPU and none is visible; use {key}=adamw_torch here"
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"{key}={optim} needs bitsandbytes: pip install -e '.[vllm]' (the GPU extra)")
 
 
 def default_ks(n_samples: int) -> list[int]:

@@ -243,3 +243,19 @@ def test_paper_batch_shape_separates_micro_batch_from_the_step():
     # two processes: the same 64 completions per step need half the accumulation
     args = GRPOConfig(output_dir="/tmp/x", **{**values, "gradient_accumulation_steps": 4})
     assert "x 4 accumulation steps x 2 processes = 64 completions" in describe_batch(args, 2, 300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trl.optim=adamw_8bit"], "trl.optim"),
+        (["model=tiny_sft", "model.sft.args.optim=paged_adamw_8bit"], "model.sft.args.optim"),
+    ],
+)
+def test_an_8bit_optimiser_without_cuda_fails_at_config_time(overrides, key):
+    with pytest.raises(
+        ConfigError, match=rf"^{key}=\S+ needs a CUDA GPU and none is visible; use {key}=adamw_torch"
+    ):
+        validate(cfg_for(*overrides))
+    validate(cfg_for("model=tiny_sft"))  # the testbed's own SFT stage uses a CPU optimiser: accepted
