@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,20 @@ def test_a_changed_checkpoint_is_resampled(checkpoint, sampler, tmp_path):
     (Path(checkpoint) / "model.safetensors").write_bytes(b"new weights")
     run(checkpoint, tmp_path / "res")
     assert len(sampler.calls) == 8
+
+
+def test_the_same_weights_saved_again_or_copied_keep_their_cells(checkpoint, sampler, tmp_path):
+    """A requeued job re-saves final/ (new mtimes, a new run record beside it): nothing is resampled."""
+    weights = Path(checkpoint) / "model.safetensors"
+    weights.write_bytes(b"weights")
+    run(checkpoint, tmp_path / "res")
+    weights.write_bytes(b"weights")  # the same bytes, written again
+    (Path(checkpoint) / "sage_final.json").write_text('{"global_step": 3}')
+    run(checkpoint, tmp_path / "res")
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    run(str(copy), tmp_path / "res")
+    assert len(sampler.calls) == 4  # only the first call sampled
 
 
 def test_a_killed_evaluation_resumes_only_the_missing_cells(checkpoint, sampler, tmp_path):

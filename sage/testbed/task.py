@@ -187,11 +187,9 @@ def is_correct(completion: str, answer: str) -> bool:
 def _to_dataset(problems: list[dict], chat: bool) -> datasets.Dataset:
     import datasets
 
-    if chat:
-        raise ValueError("the testbed model has no chat template: use it with model.chat=false (model=tiny)")
     return datasets.Dataset.from_dict(
         {
-            "prompt": [make_prompt(p["problem"], chat=False) for p in problems],
+            "prompt": [make_prompt(p["problem"], chat) for p in problems],
             "answer": [p["answer"] for p in problems],
         }
     )
