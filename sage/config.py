@@ -299,12 +299,13 @@ def register_configs() -> None:
 
 def build(node: Any, **runtime: Any) -> Any:
     """``hydra.utils.instantiate`` whose failures (bad file, bad row, bad value) surface as the one-line
-    ConfigError of their cause instead of Hydra's multi-line wrapper."""
+    ConfigError of their cause instead of Hydra's multi-line wrapper. Lists and dicts reach the target as
+    plain Python containers: library configs serialise them (peft's LoraConfig writes JSON)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
-        return instantiate(node, **runtime)
+        return instantiate(node, _convert_="all", **runtime)
     except InstantiationException as e:
         cause = e.__cause__ or e
         raise ConfigError(f"{node._target_}: {cause}") from e

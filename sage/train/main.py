@@ -88,9 +88,8 @@ def longest_prompt(trainer, dataset) -> int:
     tok = trainer.processing_class
     prompts = dataset["prompt"]
     if prompts and isinstance(prompts[0], list):
-        return max(
-            len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts
-        )
+        rendered = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        return max(len(ids) for ids in tok(rendered, add_special_tokens=False)["input_ids"])
     return max((len(ids) for ids in tok(list(prompts))["input_ids"]), default=0)
 
 
