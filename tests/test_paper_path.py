@@ -1,0 +1,55 @@
+"""The paper's 7B path at 1M parameters (``model=tiny_chat``): a ChatML base that needs the SFT stage
+(LoRA, merged), LoRA RL from the merged model, and the evaluation of the trained adapter, through the real
+entry point, with the same groups and keys as ``model=qwen2.5-math-7b``."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+SHRINK = [
+    "model=tiny_chat",
+    "model.sft.data.n=64",
+    "model.sft.args.num_train_epochs=1",
+    "trl.max_steps=2",
+    "trl.per_device_train_batch_size=8",
+    "trl.num_generations=4",
+    "eval.n_samples=4",
+    "eval.limit=8",
+]
+
+
+def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "sage.train", *SHRINK, f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    final = out / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())  # RL trained a LoRA adapter ...
+    merged = Path(adapter["base_model_name_or_path"])  # ... on the merged SFT model, not the raw base
+    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
+    assert merged.parent.name == "sft"
+    tokenizer = json.loads((final / "tokenizer_config.json").read_text())
+    assert tokenizer["eos_token"] == "<|im_end|>" and (final / "chat_template.jinja").is_file()
+    assert any(
+        k.startswith("base_model.model.model.layers.") for k in load_file(final / "adapter_model.safetensors")
+    )
+    # the batch line counts the chat prompt's tokens (system prompt in ChatML turns), not its messages
+    batch = next(line for line in r.stdout.splitlines() if line.startswith("batch:"))
+    prompt_tokens = int(batch.split("x (")[1].split(" prompt")[0])
+    assert prompt_tokens > 100, batch
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"base/arith_heldout/pass@1", "trained/arith_heldout/pass@4"} <= set(metrics)
+    assert "| trained | arith_heldout |" in r.stdout
