@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sage.data.benchmarks import load_benchmark
 from sage.data.verifiers import extract_answer, grade, knights_knaves_equivalent, row_verifier
-from sage.grading import GradingPool, math_verify_reward
+from sage.grading import GradingPool, PoolReward
 
 DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 BENCHMARK_SOURCES: dict[str, Path | list[Path]] = {
@@ -138,13 +139,22 @@ def test_grade_works_outside_the_main_thread() -> None:
     assert scores == [1.0]
 
 
-def test_reward_accepts_strings_and_chat_messages() -> None:
+def test_training_reward_grades_strings_chat_messages_and_row_verifiers_in_the_pool() -> None:
+    """The reward TRL calls goes through the pool: a completion that would hang the trainer scores 0
+    within the pool's time limit, and each row's verifier column is honoured."""
     chat = [[{"role": "assistant", "content": _completion("4")}], [{"role": "assistant", "content": "5"}]]
-    assert math_verify_reward([_completion("4"), _completion("5")], answer=["4", "4"]) == [1.0, 0.0]
-    assert math_verify_reward(chat, answer=["4", "4"], problem=["p", "q"]) == [1.0, 0.0]
-    assert math_verify_reward.__name__ == "math_verify_reward"
-    with pytest.raises(ValueError, match="2 completions but 1"):
-        math_verify_reward(["a", "b"], answer=["1"])
+    kk = _completion("Oliver is a knight and Zoey is a knave")
+    with GradingPool(workers=2, timeout_s=TIMEOUT_S) as grading_pool:
+        reward = PoolReward(grading_pool)
+        assert reward.__name__ == "math_verify_reward"  # TRL logs rewards/math_verify_reward/...
+        assert reward([_completion("4"), _completion("5")], answer=["4", "4"]) == [1.0, 0.0]
+        assert reward(chat, answer=["4", "4"], problem=["p", "q"]) == [1.0, 0.0]
+        assert reward([kk, kk], answer=[KK_GOLD, KK_GOLD], verifier=["knights_knaves", "math"]) == [1.0, 0.0]
+        start = time.monotonic()
+        assert reward([ADVERSARIAL["huge factorial"], _completion("7")], answer=["7", "7"]) == [0.0, 1.0]
+        assert time.monotonic() - start < 2 * (TIMEOUT_S + 1.0) + 10
+        with pytest.raises(ValueError, match="2 completions but 1"):
+            reward(["a", "b"], answer=["1"])
 
 
 # --- every real benchmark problem --------------------------------------------------------------------------
@@ -278,29 +288,55 @@ def test_adversarial_completions_score_zero_in_the_pool(capsys: pytest.CaptureFi
     assert elapsed < len(completions) * (TIMEOUT_S + 0.5) / 2 + 2
 
 
+def _workers(besides: set[int] = frozenset()) -> list[psutil.Process]:
+    """This process's grading workers, bar ``besides`` (other pools'): its spawned children, not
+    multiprocessing's resource tracker."""
+    return [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.pid not in besides
+        and "spawn_main" in " ".join(c.cmdline())
+        and "resource_tracker" not in " ".join(c.cmdline())
+    ]
+
+
 def test_pool_kills_and_replaces_a_hung_worker() -> None:
-    """A stopped process ignores every signal, like a worker stuck in C: the pool must not wait for it."""
+    """A stopped process ignores every signal, like a worker stuck in C: the pool must not wait for it.
+    Each worker is first given a call that runs to its time limit; one is stopped in the middle of it."""
+    slow = ["<SOLUTION>3^{99999999}</SOLUTION>", "<SOLUTION>7^{123456789}</SOLUTION>"]  # run to the deadline
     answers = [str(i) for i in range(20)]
-    with GradingPool(workers=2, timeout_s=TIMEOUT_S, chunk_size=4) as grading_pool:
-        grading_pool.grade_many([_completion("1")], ["1"])
-        hung = grading_pool._workers[0].process
-        os.kill(hung.pid, signal.SIGSTOP)
+    limit = 2.0
+    others = {w.pid for w in _workers()}
+    with GradingPool(workers=2, timeout_s=limit) as grading_pool:
+        grading_pool.grade_many([_completion(a) for a in answers], answers)  # both workers started
+        workers = _workers(others)
+        assert len(workers) == 2
+        result: list[list[float]] = []
+        grading = threading.Thread(
+            target=lambda: result.append(
+                grading_pool.grade_many([*slow, *map(_completion, answers)], ["7", "7", *answers])
+            )
+        )
         start = time.monotonic()
-        scores = grading_pool.grade_many([_completion(a) for a in answers], answers)
+        grading.start()
+        time.sleep(limit / 4)  # both workers are inside their slow call
+        workers[0].suspend()  # SIGSTOP: its SIGALRM deadline can no longer fire
+        grading.join(timeout=60)
         elapsed = time.monotonic() - start
-        assert sorted(scores) == [0.0] + [1.0] * 19  # only the item it hung on is lost
-        assert elapsed < TIMEOUT_S + 1.0 + 5
-        assert not hung.is_alive()
+        assert result == [[0.0, 0.0] + [1.0] * 20]  # only the two slow calls score 0
+        assert elapsed < 2 * (limit + 1.0) + 10
+        assert not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE  # killed
         assert grading_pool.grade_many([_completion(a) for a in answers], answers) == [1.0] * 20
 
 
 def test_pool_replaces_a_worker_that_died_while_idle() -> None:
     answers = [str(i) for i in range(10)]
-    with GradingPool(workers=2, timeout_s=TIMEOUT_S, chunk_size=2) as grading_pool:
-        grading_pool.grade_many([_completion("1")], ["1"])
-        dead = grading_pool._workers[1].process
-        os.kill(dead.pid, signal.SIGKILL)
-        dead.join(timeout=10)
+    others = {w.pid for w in _workers()}
+    with GradingPool(workers=2, timeout_s=TIMEOUT_S) as grading_pool:
+        grading_pool.grade_many([_completion(a) for a in answers], answers)
+        dead = _workers(others)[1]
+        dead.kill()
+        dead.wait(timeout=10)
         assert grading_pool.grade_many([_completion(a) for a in answers], answers) == [1.0] * 10
 
 

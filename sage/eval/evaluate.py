@@ -93,13 +93,15 @@ def evaluate_model(
     max_new_tokens: int,
     results_dir: Path,
     dtype: str,
+    pool: GradingPool | None = None,
 ) -> dict[str, dict]:
     """Evaluate one checkpoint (a model folder, or a LoRA adapter folder) on every dataset and seed.
 
     Cells already in ``results_dir`` under the same settings are loaded, not re-sampled; the model and the
-    grading pool are only started if some cell is missing. Writes ``results_dir/results.json`` and returns,
-    per dataset, {"summary": {pass@k: mean, pass@k_std: std}, "curve": full_curve, "correct": [matrix per
-    seed], "completions": [...], "settings": {...}}.
+    grading pool (unless the caller passes its own ``pool``, as a training run does) are only started if
+    some cell is missing. Writes ``results_dir/results.json`` and returns, per dataset,
+    {"summary": {pass@k: mean, pass@k_std: std}, "curve": full_curve, "correct": [matrix per seed],
+    "completions": [...], "settings": {...}}.
     """
     from transformers import AutoTokenizer
 
@@ -121,7 +123,6 @@ def evaluate_model(
     }
     results: dict[str, dict] = {}
     sampler: Sampler | None = None
-    pool: GradingPool | None = None
     with contextlib.ExitStack() as stack:
         for name, rows in rows_by_dataset.items():
             ids = [r["id"] for r in rows]
@@ -136,7 +137,8 @@ def evaluate_model(
                     continue
                 if sampler is None:  # started only when a cell is missing: a finished run loads nothing
                     sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
-                    pool = stack.enter_context(GradingPool(workers=2))
+                    if pool is None:
+                        pool = stack.enter_context(GradingPool(workers=2))
                 per_seed.append(evaluate_dataset(sampler, tokenizer, rows, key, cell=cell, pool=pool))
             correct = [r["correct"] for r in per_seed]
             results[name] = {

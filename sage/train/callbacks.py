@@ -1,6 +1,6 @@
 """Training-time callbacks that are not TRL's: held-out accuracy every N optimiser steps (Figure 2:
 train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by each row's
-verifier (Math-Verify for the maths sets); and Optuna pruning on those periodic metrics."""
+verifier through the run's grading pool; and Optuna pruning on those periodic metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from sage.data.verifiers import grade, row_verifier
+from sage.data.verifiers import row_verifier
 from sage.metrics import pass_at_k_curve
 
 log = logging.getLogger(__name__)
@@ -26,9 +26,10 @@ class PeriodicEval(TrainerCallback):
     ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics."""
 
     def __init__(
-        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, callbacks=()
+        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, pool, callbacks=()
     ):
         self.rows_by_dataset = rows_by_dataset
+        self.pool = pool
         self.callbacks = list(callbacks)
         self.settings = settings
         self.every = every
@@ -51,14 +52,13 @@ class PeriodicEval(TrainerCallback):
                 completions = sample_completions(
                     model, processing_class, rows, self.settings, self.batch_size
                 )
-                verifiers = [row_verifier(r) for r in rows]
-                correct = np.array(
-                    [
-                        [grade(c, r["answer"], verifier=v) == 1.0 for c in per_row]
-                        for per_row, r, v in zip(completions, rows, verifiers, strict=True)
-                    ]
-                )
                 n = self.settings.n_samples
+                scores = self.pool.grade_many(
+                    [c for per_row in completions for c in per_row],
+                    [r["answer"] for r in rows for _ in range(n)],
+                    [row_verifier(r) for r in rows for _ in range(n)],
+                )
+                correct = np.asarray(scores, dtype=bool).reshape(len(rows), n)
                 curve = pass_at_k_curve(correct, [1, n])
                 record = {
                     "step": state.global_step,

@@ -112,6 +112,7 @@ def rl(
     args,
     last: str | None,
     out: Path,
+    pool,
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter). ``final/`` appears by an
     atomic rename once complete and records the step it was saved at: a requeued job that finds it at
@@ -120,12 +121,12 @@ def rl(
     if final_step(final) >= cfg.trl.max_steps:
         log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
         return final
-    from sage.grading import math_verify_reward
+    from sage.grading import PoolReward
     from sage.train.trainer import SageGRPOTrainer, describe_batch
 
     trainer = SageGRPOTrainer(
         model=start_path,
-        reward_funcs=[math_verify_reward],
+        reward_funcs=[PoolReward(pool)],
         args=args,
         train_dataset=dataset,
         peft_config=lora_config(cfg),
@@ -147,7 +148,7 @@ def rl(
     return final
 
 
-def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
+def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool) -> list:
     """MLflow logging of every step, the ``callbacks`` node's callbacks, and the periodic held-out evaluation
     if asked for (it hands its metrics to those callbacks)."""
     from sage.eval.sampling import SamplingSettings
@@ -173,6 +174,7 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path) -> list:
                 cfg.eval.batch_size,
                 tracker,
                 out,
+                pool,
                 callbacks=extra,
             )
         )
@@ -234,7 +236,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
         start_path = run_sft(cfg, base_path, cache_dir() / "sft", lora_config(cfg))
 
-    with start_run(cfg, out, kind="train") as tracker:
+    from sage.grading import GradingPool
+
+    # One grading pool for the run (its workers start on first use): training rewards, the periodic and
+    # the final evaluation are all graded by it, under the same time and memory limits.
+    with start_run(cfg, out, kind="train") as tracker, GradingPool() as pool:
         if tracker is not None:
             tracker.log_artifact(out / "config.yaml")
             tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
@@ -243,7 +249,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         to_evaluate = [("base", start_path, base_results_dir(start_path))]
         pruned_at = None
         if cfg.trl.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
-            callbacks = training_callbacks(cfg, tracker, eval_rows, out)
+            callbacks = training_callbacks(cfg, tracker, eval_rows, out, pool)
             final = rl(
                 cfg,
                 callbacks,
@@ -254,6 +260,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 args,
                 last,
                 out,
+                pool,
             )
             pruned_at = next((c.pruned_at for c in callbacks if getattr(c, "pruned_at", None)), None)
             metrics["train/steps"] = float(pruned_at or cfg.trl.max_steps)
@@ -277,6 +284,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     max_new_tokens=max_new,
                     results_dir=rdir,
                     dtype=str(cfg.model.dtype),
+                    pool=pool,
                 )
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
