@@ -16,7 +16,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from sage.tracking import redact, resolve_uri
@@ -50,6 +49,10 @@ SEED_PARAM_PREFIXES = ("tracking.",)
 EVAL_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_(?P<k>\d+)(?P<std>_std)?$")
 CURVE_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_k_curve$")
 PERIODIC_KEY = re.compile(r"^eval/periodic/(?P<dataset>.+)/pass_at_1$")
+# logged by sage.eval.analyses beside each evaluation
+ANALYSIS_KEY = re.compile(
+    r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/(?P<kind>pattern|strategy)/(?P<name>.+)$"
+)
 
 
 def open_store(uri: str | None):
@@ -233,21 +236,24 @@ def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)
 
 
-def eval_artifacts(
-    client, run_id: str, label: str, dataset: str, dst: Path
-) -> tuple[list[np.ndarray], list[list[str]]] | None:
-    """(correctness matrix per eval seed, completions of the first seed) of one run, or None when the run
-    did not log them. The completions may cover only the first problems (tracking.completions_sample)."""
-    folder = f"eval/{label}"
-    names = {a.path for a in client.list_artifacts(run_id, folder)}
-    npz, js = f"{folder}/{label}_{dataset}_correct.npz", f"{folder}/{label}_{dataset}_completions.json"
-    if npz not in names or js not in names:
+def analysis_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """What the evaluation's analysis step logged (``eval/<label>/<dataset>/<pattern|strategy>/<name>``):
+    run_id, label, dataset, kind, name, value."""
+    rows = [
+        {"run_id": run_id, **m.groupdict(), "value": value}
+        for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True)
+        for key, value in metrics.items()
+        if (m := ANALYSIS_KEY.match(key))
+    ]
+    return pd.DataFrame(rows, columns=["run_id", "label", "dataset", "kind", "name", "value"])
+
+
+def perplexities(client, run_id: str, label: str, dataset: str, dst: Path) -> list[float] | None:
+    """The per-sample perplexities under the base model the analysis step logged, or None."""
+    name = f"eval/{label}/{label}_{dataset}_perplexity.json"
+    if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
         return None
-    local = Path(client.download_artifacts(run_id, folder, str(dst / run_id)))
-    with np.load(local / Path(npz).name) as z:
-        matrices = [z[f"arr_{i}"] for i in range(len(z.files))]
-    completions = json.loads((local / Path(js).name).read_text())
-    return matrices, completions
+    return json.loads(Path(client.download_artifacts(run_id, name, str(dst / run_id))).read_text())
 
 
 def run_config(client, run_id: str, dst: Path):

@@ -23,12 +23,29 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import figures, load, patterns, tables
+from analysis import figures, load, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Table
 from sage.tracking import redact
 
 SOURCES = ["row", "seed", "run_id", "label"]
+# (kind logged by sage.eval.analyses, table name, heading, title, caption)
+ANALYSES = [
+    (
+        "pattern",
+        "reasoning_patterns",
+        "Reasoning patterns (Table 2)",
+        "frequency of reasoning patterns among correct solutions",
+        "Formula of SAGE.md section 6 over problems with a correct sample; see sage/eval/analyses.py.",
+    ),
+    (
+        "strategy",
+        "strategy_mix",
+        "Solution-strategy mix of samples",
+        "fraction of all evaluation samples following each testbed strategy",
+        "`other`: not one of the testbed teacher's strategies (sage.testbed.task.classify_strategy).",
+    ),
+]
 
 
 @dataclass
@@ -151,70 +168,30 @@ def grid_tables(runs: pd.DataFrame, meas: pd.DataFrame, seeds: list[int], ks: di
     return out
 
 
-def artifact_frames(
-    client, src: pd.DataFrame, datasets: list[str], tmp: Path
-) -> tuple[pd.DataFrame, pd.DataFrame, dict, list[str]]:
-    """Pattern frequencies and strategy mixes (row, seed, column, value) from each source's eval artifacts,
-    and the artifacts themselves per (run_id, label, dataset) for the perplexity pass."""
-    pat, mix, notes, cache = [], [], [], {}
-    multi = len(datasets) > 1
-    for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
-        for ds in datasets:
-            got = load.eval_artifacts(client, run_id, label, ds, tmp)
-            if got is None:
-                notes.append(f"{row} seed {seed} (run {run_id}) has no eval/{label} artifacts for {ds}")
-                continue
-            matrices, completions = got
-            cache[(run_id, label, ds)] = completions
-            correct = matrices[0][: len(completions)]  # completions may cover only the first problems
-            prefix = f"{ds}: " if multi else ""
-            for name, rx in patterns.PATTERNS.items():
-                value = patterns.pattern_frequency(completions, correct, rx)
-                pat.append({"row": row, "seed": seed, "column": prefix + name, "value": value})
-            for name, value in patterns.strategy_mix(completions).items():
-                mix.append({"row": row, "seed": seed, "column": prefix + name, "value": value})
-    return pd.DataFrame(pat, columns=SEED_FRAME), pd.DataFrame(mix, columns=SEED_FRAME), cache, notes
+def analysis_frames(runs: pd.DataFrame, src: pd.DataFrame, datasets: list[str]) -> dict[str, pd.DataFrame]:
+    """Pattern frequencies and strategy mixes per (row, seed, column) from what each source's evaluation
+    logged (``sage.eval.analyses``), keyed by kind; a column is prefixed by its dataset when there are
+    several."""
+    logged = src.merge(load.analysis_frame(runs), on=["run_id", "label"])
+    logged = logged[logged["dataset"].isin(datasets)]
+    prefix = logged["dataset"] + ": " if len(datasets) > 1 else ""
+    logged = logged.assign(column=prefix + logged["name"])
+    return {kind: logged.loc[logged["kind"] == kind, SEED_FRAME] for kind in ("pattern", "strategy")}
 
 
 def perplexity_frame(
-    client, runs: pd.DataFrame, src: pd.DataFrame, cache: dict, cap: int, tmp: Path
+    client, src: pd.DataFrame, datasets: list[str], tmp: Path
 ) -> tuple[pd.DataFrame, list[str]]:
-    """(row, seed, run_id, ppl): the first ``cap`` completions of each source scored under its run's base
-    model (tag ``base_model``), prompts rebuilt from the run's config.yaml."""
-    from analysis.perplexity import completion_perplexities, load_base
-    from sage.eval.evaluate import load_eval_rows
-    from sage.eval.sampling import prompt_texts
-
-    base_of = dict(zip(runs["run_id"], runs["base_model"], strict=True))
-    models: dict[str, tuple] = {}
+    """(row, seed, run_id, ppl): each source's per-sample perplexities under its base model, as its
+    evaluation logged them."""
     out, notes = [], []
     for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
-        if not any(key[:2] == (run_id, label) for key in cache):
-            continue  # no completions artifact: already in the notes
-        path = base_of.get(run_id)
-        if path is None or not Path(path).exists():
-            notes.append(f"perplexity: {row} seed {seed} (run {run_id}): base model {path!r} is not here")
-            continue
-        if path not in models:
-            models[path] = load_base(path)
-        model, tokenizer = models[path]
-        cfg = load.run_config(client, run_id, tmp)
-        rows_by_ds = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)
-        prompts, texts = [], []
-        for ds, rows in rows_by_ds.items():
-            completions = cache.get((run_id, label, ds))
-            if completions is None:
+        for ds in datasets:
+            ppl = load.perplexities(client, run_id, label, ds, tmp)
+            if ppl is None:
+                notes.append(f"perplexity: {row} seed {seed} (run {run_id}) logged none for {label}/{ds}")
                 continue
-            rendered = prompt_texts(tokenizer, rows[: len(completions)], bool(cfg.model.chat))
-            for p, per_problem in zip(rendered, completions, strict=True):
-                prompts += [p] * len(per_problem)
-                texts += per_problem
-        prompts, texts = prompts[:cap], texts[:cap]
-        ppl = completion_perplexities(model, tokenizer, prompts, texts)
-        if np.isnan(ppl).any():
-            empty = int(np.isnan(ppl).sum())
-            notes.append(f"perplexity: {row} seed {seed}: {empty} empty completions skipped")
-        out += [{"row": row, "seed": seed, "run_id": run_id, "ppl": v} for v in ppl if not np.isnan(v)]
+            out += [{"row": row, "seed": seed, "run_id": run_id, "ppl": v} for v in ppl]
     return pd.DataFrame(out, columns=["row", "seed", "run_id", "ppl"]), notes
 
 
@@ -326,50 +303,34 @@ def build(
     )
 
     datasets = sorted(ks)
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        pat, mix, cache, anotes = artifact_frames(client, src, datasets, tmp)
-        notes += anotes
-        rows_all = sorted(src["row"].unique(), key=tables.row_key)
-        pcols = [c for c in pat["column"].unique()] if len(pat) else list(patterns.PATTERNS)
-        add(
-            tables.seed_table(
-                pat,
-                asked,
-                pcols,
-                name="reasoning_patterns",
-                rows=rows_all,
-                title="frequency of reasoning patterns among correct solutions",
-            ),
-            "Reasoning patterns (Table 2)",
-            "Formula of SAGE.md section 6 over problems with a correct sample; see analysis/patterns.py.",
+    frames = analysis_frames(runs, src, datasets)
+    rows_all = sorted(src["row"].unique(), key=tables.row_key)
+    for kind, name, heading, title, text in ANALYSES:
+        frame = frames[kind]
+        if frame.empty:
+            notes.append(
+                f"no {name} table: no run logged eval/<label>/<dataset>/{kind}/<name> (sage.eval.analyses)"
+            )
+            continue
+        t = tables.seed_table(
+            frame, asked, list(dict.fromkeys(frame["column"])), name=name, rows=rows_all, title=title
         )
-        mcols = [c for c in mix["column"].unique()] if len(mix) else list(patterns.STRATEGY_NAMES)
-        add(
-            tables.seed_table(
-                mix,
-                asked,
-                mcols,
-                name="strategy_mix",
-                rows=rows_all,
-                title="fraction of all evaluation samples following each testbed strategy",
-            ),
-            "Solution-strategy mix of samples",
-            "`other`: not one of the testbed teacher's strategies (sage.testbed.task.classify_strategy).",
-        )
-        if perplexity_cap > 0:
-            ppl, pnotes = perplexity_frame(client, runs, src, cache, perplexity_cap, tmp)
-            notes += pnotes
-            if len(ppl):
-                add(
-                    perplexity_table(ppl),
-                    "Perplexity under the base model (Figure 7)",
-                    f"At most {perplexity_cap} samples per run.",
-                )
-                figs["perplexity"] = figures.perplexity_distributions(ppl, figures_dir)
-                sections.append(_figure(figs["perplexity"], out, "perplexity under the base model"))
-            else:
-                notes.append("no perplexity figure: no samples could be scored")
+        add(t, heading, text)
+    if perplexity_cap > 0:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            ppl, pnotes = perplexity_frame(client, src, datasets, Path(tmp_name))
+        notes += pnotes
+        ppl = ppl.groupby("run_id", group_keys=False).head(perplexity_cap)
+        if len(ppl):
+            add(
+                perplexity_table(ppl),
+                "Perplexity under the base model (Figure 7)",
+                f"At most {perplexity_cap} samples per run, as the evaluation logged (eval.perplexity_cap).",
+            )
+            figs["perplexity"] = figures.perplexity_distributions(ppl, figures_dir)
+            sections.append(_figure(figs["perplexity"], out, "perplexity under the base model"))
+        else:
+            notes.append("no perplexity figure: no run logged perplexities under its base model")
 
     curves = src.merge(load.curve_frame(client, runs), on=["run_id", "label"])
     if curves.empty:
@@ -432,7 +393,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/results/report.md"), help="the Markdown report")
     p.add_argument("--figures-dir", type=Path, default=None, help="default: <out dir>/figures")
     p.add_argument("--tables-dir", type=Path, default=None, help="default: <out dir>/tables")
-    p.add_argument("--perplexity-max", type=int, default=2000, help="samples scored per run; 0: skip")
+    p.add_argument(
+        "--perplexity-max", type=int, default=2000, help="logged perplexities shown per run; 0: no section"
+    )
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--extra-k", default="", help="also tabulate methods at these k, e.g. 8 (comma-separated)")
     p.add_argument(

@@ -204,6 +204,14 @@ class EvalConfig:
         default=None, metadata={"help": "also evaluate every N optimiser steps during training (None: off)"}
     )
     every_n_samples: int = field(default=8, metadata={"help": "samples per problem, periodic evaluation"})
+    perplexity_cap: int = field(
+        default=2000,
+        metadata={"help": "samples per evaluated checkpoint scored under the base model; 0: off"},
+    )
+    perplexity_base: str | None = field(
+        default=None,
+        metadata={"help": "sage-eval: the base model folder for perplexities (None: a LoRA adapter's base)"},
+    )
 
 
 @dataclass

@@ -155,6 +155,27 @@ class Tracker:
             for f in (matrices, sample):
                 self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
 
+    def log_analyses(
+        self, label: str, dataset: str, values: dict[str, float], perplexities: list[float] | None
+    ) -> None:
+        """What the samples say (``sage.eval.analyses``): each value as ``eval/<label>/<dataset>/<name>``
+        (a NaN, nothing to measure, is not logged) and the per-sample perplexities under the base model as
+        the artifact ``eval/<label>/<label>_<dataset>_perplexity.json`` with their median as a metric."""
+        prefix = f"eval/{label}/{dataset}"
+        values = dict(values)
+        if perplexities:
+            values["perplexity_median"] = float(np.median(perplexities))
+        self.client.log_batch(
+            self.run_id, metrics=_metrics({f"{prefix}/{k}": v for k, v in values.items()}, 0)
+        )
+        if perplexities is not None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                f = Path(tmp) / f"{label}_{dataset}_perplexity.json"
+                f.write_text(json.dumps(perplexities))
+                self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
+
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
 

@@ -4,7 +4,6 @@ MLflow store filled by real tiny testbed runs, checked against the values MLflow
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import load, patterns, report, tables
+from analysis import load, report, tables
 from analysis.load import ReportError
 from analysis.tables import Stat, stat
-from sage.testbed.task import make_problems, teacher_completion
 
 
 # ------------------------------------------------------------------ pure functions
@@ -110,34 +108,6 @@ def test_method_labels_and_rows():
         "GRPO", "GRPO", "GRPO + Branch [guide.ratio=0.3]", "GRPO + Branch [guide.ratio=0.3]",
         "GRPO + Branch [guide.ratio=0.5]",
     ]  # fmt: skip
-
-
-def test_pattern_frequency_formula_by_hand():
-    rx = patterns.PATTERNS["constraint setup"]
-    completions = [
-        ["Let x = 3, so ...", "x is 3", "wrong"],  # 2 correct, 1 with the pattern: 1/2
-        ["Let y = 1", "nothing", "no"],  # no correct sample: not one of the N problems
-        ["We denote by n the count", "no", "no"],  # 1 correct, with the pattern: 1/1
-    ]
-    correct = np.array([[True, True, False], [False, False, False], [True, False, False]])
-    assert patterns.pattern_frequency(completions, correct, rx) == pytest.approx((0.5 + 1.0) / 2)
-    assert math.isnan(patterns.pattern_frequency(completions, np.zeros((3, 3), bool), rx))
-    assert patterns.PATTERNS["structural reasoning"].search("a number of the form 4k+1")
-    assert patterns.PATTERNS["structural reasoning"].search("we decompose the sum into two parts")
-    assert patterns.PATTERNS["proof by contradiction"].search("Assume, for contradiction, that p is even")
-    assert not patterns.PATTERNS["constraint setup"].search("<start_working_out>12*3=36 36+5=41")
-
-
-def test_strategy_mix_of_teacher_samples():
-    rng = random.Random(0)
-    rows = [
-        [teacher_completion(p["a"], p["b"], p["c"], rng)[0] for _ in range(8)]
-        for p in make_problems("train", 20, 0)
-    ]
-    mix = patterns.strategy_mix(rows + [["garbage"]])
-    assert set(mix) == {"direct", "split", "round", "other"}
-    assert sum(mix.values()) == pytest.approx(1.0) and mix["other"] == pytest.approx(1 / 161)
-    assert mix["direct"] > mix["split"] > 0  # the teacher's skew (0.8 / 0.15 / 0.05)
 
 
 # ------------------------------------------------------------------ real runs
@@ -280,7 +250,7 @@ def test_grid_grad_norm_patterns_strategies(store, built):
     for row, cells in mix.rows:
         assert sum(c.mean for c in cells) == pytest.approx(1.0), row
     pat = built.tables["reasoning_patterns"]
-    assert pat.columns == list(patterns.PATTERNS)
+    assert pat.columns == ["constraint setup", "structural reasoning", "proof by contradiction"]
     assert all(c.mean == 0.0 for _, cells in pat.rows for c in cells if c.n)  # bare arithmetic: no patterns
 
 
@@ -295,32 +265,16 @@ def test_figures_perplexity_and_report_file(store, built):
     for _, cells in ppl.rows:
         assert int(cells[0]) > 0 and 1.0 <= float(cells[1])  # a perplexity is at least 1
 
-    # the batched perplexity equals the one of a single unpadded sequence, computed by hand
-    import torch
-
-    from analysis.perplexity import completion_perplexities, load_base
-
-    path = store["client"].get_run(store["ids"]["g0"]).data.tags["base_model"]
-    model, tok = load_base(path)
-    completions = json.loads(
-        open(
+    # what the report shows is what the evaluation logged, under the run's base model
+    logged_ppl = json.loads(
+        Path(
             store["client"].download_artifacts(
-                store["ids"]["g0"], f"eval/trained/trained_{DS}_completions.json", str(store["root"] / "dl")
+                store["ids"]["g0"], f"eval/trained/trained_{DS}_perplexity.json", str(store["root"] / "dl")
             )
-        ).read()  # fmt: skip
+        ).read_text()
     )
-    prompts = [r["problem"] for r in make_problems("heldout", 200, 0)[:2]]
-    texts = [completions[0][0], completions[1][0]]
-    batched = completion_perplexities(model, tok, prompts, texts)
-    p_ids, c_ids = (
-        tok(prompts[1], add_special_tokens=False)["input_ids"],
-        tok(texts[1], add_special_tokens=False)["input_ids"],
-    )
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0]
-    logp = torch.log_softmax(logits, -1)
-    nll = -sum(logp[len(p_ids) + t - 1, c].item() for t, c in enumerate(c_ids)) / len(c_ids)
-    assert batched[1] == pytest.approx(math.exp(nll), rel=1e-5)
+    assert len(logged_ppl) == 6 * 4 and min(logged_ppl) >= 1.0  # eval.limit x eval.n_samples, none empty
+    assert logged(store, "g0", f"eval/trained/{DS}/perplexity_median") == pytest.approx(np.median(logged_ppl))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from sage.data.datasets import arith_sft_dataset, sft_dataset
 from sage.testbed.model import build_tiny_model
 from sage.testbed.tokenizer import build_tokenizer
 
+
 def tokenised(dataset, tokenizer, tmp_path, chat=False):
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=512, bf16=False)
     trainer = SFTTrainer(

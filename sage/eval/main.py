@@ -60,6 +60,7 @@ ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
+    from sage.eval.analyses import log_analyses
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
     from sage.eval.sampling import check_backend
 
@@ -99,10 +100,32 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             for ds, r in res.items():
                 if metric_key(f"eval/{label}/{ds}/pass@1") not in logged:
                     tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+            log_analyses(
+                tracker,
+                label,
+                rows,
+                res,
+                chat=cfg.model.chat,
+                base=perplexity_base(cfg, model_path),
+                cap=cfg.eval.perplexity_cap,
+            )
     summaries = {ds: r["summary"] for ds, r in res.items()}
     print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
     print(f"\nresults: {results_dir / 'results.json'}")
     return summaries
+
+
+def perplexity_base(cfg: DictConfig, model_path: str) -> str | None:
+    """The model whose perplexity of the samples is reported: ``eval.perplexity_base``, else a LoRA
+    adapter's base, else the model itself when it is the model group's base (checkpoint unset)."""
+    from sage.eval.checkpoint import Checkpoint
+
+    if cfg.eval.perplexity_base is not None:
+        return cfg.eval.perplexity_base
+    checkpoint = Checkpoint.resolve(model_path)
+    if checkpoint.adapter is not None:
+        return checkpoint.base
+    return model_path if cfg.checkpoint is None else None
 
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")

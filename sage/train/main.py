@@ -220,6 +220,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # model is built.
     args = grpo_args(cfg, rl_dir)
     dataset = build(cfg.data, chat=cfg.model.chat)
+    from sage.eval.analyses import log_analyses
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
 
     needs_rows = cfg.eval.at_end or cfg.eval.every_steps
@@ -291,6 +292,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
                     if tracker is not None:
                         tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+                if tracker is not None:  # what the samples say, under the start model (the reference)
+                    log_analyses(
+                        tracker,
+                        label,
+                        eval_rows,
+                        res,
+                        chat=cfg.model.chat,
+                        base=start_path,
+                        cap=cfg.eval.perplexity_cap,
+                    )
             print("\n" + format_table(table, list(cfg.eval.ks)))
         print(f"\nrun outputs: {out}")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
