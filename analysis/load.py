@@ -107,15 +107,17 @@ def runs_frame(runs: Sequence) -> pd.DataFrame:
     rows = []
     for r in runs:
         tags, params = dict(r.data.tags), dict(r.data.params)
-        if "seed" not in tags:
-            raise ReportError(f"run {r.info.run_id} has no 'seed' tag: was it logged by sage-train?")
+        kind = tags.get("sage.kind", "")
+        if kind == "train" and not tags.get("seed", "").lstrip("-").isdigit():
+            raise ReportError(f"sage-train run {r.info.run_id} has no integer 'seed' tag")
+        train = kind == "train"  # other runs (sage-eval's, seed "none") are listed, then left out
         rows.append(
             {
                 "run_id": r.info.run_id,
                 "status": r.info.status,
-                "kind": tags.get("sage.kind", ""),
-                "seed": int(tags["seed"]),
-                "method": method_label(tags, params, r.info.run_id),
+                "kind": kind,
+                "seed": int(tags["seed"]) if train else None,
+                "method": method_label(tags, params, r.info.run_id) if train else tags.get("method", kind),
                 "base_model": tags.get("base_model"),
                 "git_commit": tags.get("git_commit", "unknown"),
                 "divergence": tags.get("divergence"),

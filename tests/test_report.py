@@ -150,6 +150,13 @@ def store(tmp_path_factory):
 
     with ThreadPoolExecutor(2) as pool:
         ids = dict(pool.map(run, RUNS))
+    # sage-eval logs to the same experiment (seed "none"): the report lists it and leaves it out
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "sage.eval", f"checkpoint={root / 'g0' / 'final'}",
+         "tracking.experiment=report", "eval.n_samples=4", "eval.ks=[1,4]", "eval.limit=6", "eval.seeds=[0]"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     return {"uri": uri, "client": client, "root": root, "ids": ids}
 
 
@@ -260,6 +267,7 @@ def test_figures_perplexity_and_report_file(store, built):
         assert built.figures[name].stat().st_size > 1000, name
     md = built.markdown
     assert "Provenance: experiment `report` in `sqlite:///" in md and "5 finished sage-train runs used" in md
+    assert "kind 'eval'" in md  # the sage-eval run of the same experiment is named and left out
     assert "](figures/passk_arith_heldout.png)" in md and "## Branch threshold x ratio (Table 6)" in md
     ppl = built.tables["perplexity"]
     for _, cells in ppl.rows:
