@@ -232,7 +232,7 @@ class Report:
     notes: list[str]
 
 
-def build(
+def make_report(
     client,
     uri: str,
     *,
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         client, uri = load.open_store(args.tracking_uri)
-        rep = build(
+        rep = make_report(
             client,
             uri,
             experiment=args.experiment,

@@ -305,7 +305,7 @@ def register_configs() -> None:
         cs.store(group=group, name=name, node=node)
 
 
-def build(node: Any, **runtime: Any) -> Any:
+def instantiate_node(node: Any, **runtime: Any) -> Any:
     """``hydra.utils.instantiate`` whose failures (bad file, bad row, bad value) surface as the one-line
     ConfigError of their cause instead of Hydra's multi-line wrapper. Lists and dicts reach the target as
     plain Python containers: library configs serialise them (peft's LoraConfig writes JSON)."""

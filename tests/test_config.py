@@ -14,7 +14,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from sage.config import ConfigError, build, changed_only, default_ks, register_configs, validate
+from sage.config import ConfigError, changed_only, default_ks, instantiate_node, register_configs, validate
 from sage.train.main import grpo_args, lora_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -91,7 +91,7 @@ def test_option_composes_and_binds(group, option, tmp_path):
             if needs_gpu(cfg.model.sft.args):
                 bind(changed_only(cfg.model.sft.args))
             else:
-                build(changed_only(cfg.model.sft.args), output_dir=str(tmp_path))
+                instantiate_node(changed_only(cfg.model.sft.args), output_dir=str(tmp_path))
     elif group == "eval":
         for ds in cfg.eval.datasets.values():
             bind(ds)
@@ -141,7 +141,7 @@ def test_any_trl_and_peft_key_is_settable_by_its_own_name(tmp_path):
     assert args.vllm_importance_sampling_correction is False and args.top_entropy_quantile == 0.2
     cfg = cfg_for("model=tiny_sft", "model.lora.lora_dropout=0.1", "model.sft.args.packing=true")
     assert lora_config(cfg).lora_dropout == 0.1
-    assert build(changed_only(cfg.model.sft.args), output_dir=str(tmp_path)).packing is True
+    assert instantiate_node(changed_only(cfg.model.sft.args), output_dir=str(tmp_path)).packing is True
 
 
 def test_trl_typos_and_keys_owned_elsewhere_fail_at_composition():

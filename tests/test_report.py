@@ -190,7 +190,7 @@ def report_main(store, capsys, *args, out=None):
 @pytest.fixture(scope="module")
 def built(store):
     out = store["root"] / "report" / "testbed.md"
-    return report.build(
+    return report.make_report(
         store["client"],
         store["uri"],
         experiment="report",

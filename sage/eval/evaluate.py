@@ -70,11 +70,11 @@ def evaluate_dataset(
 def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
     """Every eval dataset's rows, loaded up front so that a bad file or an unknown verifier fails before any
     sampling."""
-    from sage.config import build
+    from sage.config import instantiate_node
 
     rows = {}
     for name, node in datasets_cfg.items():
-        loaded = build(node)
+        loaded = instantiate_node(node)
         rows[name] = loaded[:limit] if limit is not None else loaded
         for row in rows[name]:
             try:

@@ -30,9 +30,9 @@ from sage.config import (
     EvalConfig,
     ModelConfig,
     TrackingConfig,
-    build,
     check_eval,
     exit_on_config_error,
+    instantiate_node,
     register_configs,
 )
 from sage.paths import CONF_DIR, base_results_dir
@@ -73,7 +73,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)  # a bad data file fails before any model loads
 
     if cfg.checkpoint is None:
-        model_path = build(cfg.model.source)
+        model_path = instantiate_node(cfg.model.source)
         default_dir = base_results_dir(model_path)
         label = "base"
     else:

@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from sage.config import (
     ConfigError,
-    build,
     changed_only,
     exit_on_config_error,
+    instantiate_node,
     register_configs,
     validate,
 )
@@ -38,10 +38,10 @@ register_configs()
 
 def build_parts(cfg: DictConfig):
     """Divergence, guide (with its schedule) — cheap objects that fail fast on bad values."""
-    divergence = build(cfg.divergence)
-    guide = build(cfg.guide)
+    divergence = instantiate_node(cfg.divergence)
+    guide = instantiate_node(cfg.guide)
     if cfg.guide.get("_partial_"):  # an annealed guide: the trainer supplies the schedule over max_steps
-        schedule = build(cfg.schedule)
+        schedule = instantiate_node(cfg.schedule)
         if cfg.schedule.get("_partial_"):
             # A base-only run (max_steps 0) trains nothing: its schedule is built over one step, only so
             # that its values are checked like any other run's.
@@ -61,7 +61,7 @@ def complete(partial, key: str, **runtime):
 def library_config(node: DictConfig, **runtime):
     """A TRL/peft config object from its node: only the keys the config changes from the class's defaults,
     plus the values sage-train supplies (``runtime``)."""
-    return build(changed_only(node), **runtime)
+    return instantiate_node(changed_only(node), **runtime)
 
 
 def grpo_args(cfg: DictConfig, output_dir: Path):
@@ -185,7 +185,7 @@ def config_callback(name: str, node: DictConfig):
     """One entry of the ``callbacks`` node, built; it must be a transformers TrainerCallback."""
     from transformers import TrainerCallback
 
-    callback = build(node)
+    callback = instantiate_node(node)
     if not isinstance(callback, TrainerCallback):
         raise ConfigError(
             f"callbacks.{name}: {node._target_} built a {type(callback).__name__}, not a TrainerCallback"
@@ -219,7 +219,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
     # model is built.
     args = grpo_args(cfg, rl_dir)
-    dataset = build(cfg.data, chat=cfg.model.chat)
+    dataset = instantiate_node(cfg.data, chat=cfg.model.chat)
     from sage.eval.analyses import log_analyses
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
 
@@ -230,7 +230,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from transformers import set_seed
 
     set_seed(cfg.seed)
-    base_path = build(cfg.model.source)
+    base_path = instantiate_node(cfg.model.source)
     start_path = base_path
     if cfg.model.sft is not None:
         from sage.train.sft import run_sft

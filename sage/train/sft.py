@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import build, changed_only
+from sage.config import changed_only, instantiate_node
 from sage.paths import build_once, content_key
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,8 @@ def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict
     from trl import SFTTrainer
 
     s = cfg.model.sft
-    dataset = build(s.data, chat=cfg.model.chat)
-    args = build(
+    dataset = instantiate_node(s.data, chat=cfg.model.chat)
+    args = instantiate_node(
         changed_only(s.args),
         output_dir=str(folder / "trainer"),
         save_strategy="no",  # only the merged result is kept
