@@ -436,7 +436,7 @@ def test_a_lora_adapter_is_merged_onto_its_base_and_evaluated(tmp_path):
 
     checkpoint = Checkpoint.resolve(str(adapter))
     assert checkpoint.adapter == str(adapter) and checkpoint.base == base
-    loaded = ev.HFSampler.load(
+    loaded = sampling.HFSampler.load(
         checkpoint, AutoTokenizer.from_pretrained(base), "float32", 8
     ).model.state_dict()
     q = "model.layers.0.self_attn.q_proj.weight"

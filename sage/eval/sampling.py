@@ -18,7 +18,14 @@ import torch
 from sage.config import ConfigError
 from sage.data.prompts import make_prompt
 from sage.eval.checkpoint import ADAPTER_CONFIG, Checkpoint
-from sage.eval.decode import CompactDecoder, KVCache, pick, sample_batch, unsupported_reason
+from sage.eval.decode import (
+    CompactDecoder,
+    CompactForward,
+    KVCache,
+    TransformersForward,
+    sample_batch,
+    unsupported_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +100,12 @@ class HFSampler:
     """transformers backend (the CPU default), on a loaded model (also the one being trained, for the
     periodic evaluation) in eval mode.
 
-    Llama-family models (Qwen2, Llama, Mistral) are decoded by :class:`sage.eval.decode.CompactDecoder`, which
-    computes the model's forward pass op for op with fused projections and a preallocated cache; any other
-    model (or a PEFT-wrapped one) by the same loop around transformers' own forward, at about half the
-    speed. Both sample the same distribution; the choice and its reason are logged, as is the compact
-    decoder's fallback to torch-ops attention where its C++ kernel cannot be built."""
+    One sampling loop (``sage.eval.decode.sample_batch``) drives either forward pass: Llama-family models
+    (Qwen2, Llama, Mistral) go through :class:`sage.eval.decode.CompactDecoder`, which computes the model's
+    forward pass op for op with fused projections and a preallocated cache; any other model (or a
+    PEFT-wrapped one) through transformers' own forward (slower: ``make bench`` measures both). Both sample
+    the same distribution; the choice and its reason are logged, as is the compact decoder's fallback to
+    torch-ops attention where its C++ kernel cannot be built."""
 
     def __init__(self, model, tokenizer, batch_size: int) -> None:
         self.model = model
@@ -139,30 +147,26 @@ class HFSampler:
             # weights are packed per call: the periodic evaluation sees the current training weights
             decoder = CompactDecoder(self.model)
             if decoder.attention_fallback is not None and not self._fallback_logged:
-                log.warning(
-                    "evaluation attends with torch ops (about 1.3x slower on the testbed): %s",
-                    decoder.attention_fallback,
-                )
+                log.warning("evaluation attends with torch ops: %s", decoder.attention_fallback)
                 self._fallback_logged = True
-            cache = self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
-
-            def decode(prompts, copies):
-                return sample_batch(
-                    decoder,
-                    cache,
-                    prompts,
-                    copies,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    eos=self.eos,
-                    pad_id=self.pad_id,
-                    generator=generator,
-                )
+            forward = CompactForward(
+                decoder, self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
+            )
         else:
+            forward = TransformersForward(self.model)
 
-            def decode(prompts, copies):
-                return self._decode(prompts, copies, s, generator)
+        def decode(prompts, copies):
+            return sample_batch(
+                forward,
+                prompts,
+                copies,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                eos=self.eos,
+                pad_id=self.pad_id,
+                generator=generator,
+            )
 
         n_tokens = 0
         for chunk in _chunks(order, s.n_samples, self.batch_size):
@@ -193,63 +197,6 @@ class HFSampler:
             )
         self._cache = decoder.cache(slots, rows)
         return self._cache
-
-    @torch.inference_mode()
-    def _decode(
-        self, prompts: list[list[int]], copies: list[int], s: SamplingSettings, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' forward with a DynamicCache, for models the compact decoder does not cover:
-        (sum(copies), max_new_tokens) sampled ids and each sequence's length (eos included)."""
-        from transformers import DynamicCache
-
-        dev = self.model.device
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=dev)  # (P, L)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)  # (P, L)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]  # (P, V)
-        # every distinct prompt is prefilled once; its cache is then copied to each of its samples
-        expand = torch.repeat_interleave(
-            torch.arange(len(prompts), device=dev), torch.tensor(copies, device=dev)
-        )
-        cache.batch_select_indices(expand)
-        logits, mask, position = logits[expand], mask[expand], positions[expand, -1]
-        # without padding no mask is needed, and attention takes its fast path (no (B, 1, 1, T) mask)
-        padded = bool((mask == 0).any())
-        total = len(expand)
-        tokens = torch.full((total, s.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)  # (B, T)
-        lengths = torch.full((total,), s.max_new_tokens, dtype=torch.long, device=dev)  # (B,)
-        alive = torch.arange(total, device=dev)  # batch row -> output row
-        eos = self.eos.to(dev)
-        for t in range(s.max_new_tokens):
-            nxt = pick(logits, s.temperature, s.top_p, generator)  # (b,)
-            tokens[alive, t] = nxt
-            done = torch.isin(nxt, eos)
-            lengths[alive[done]] = t + 1
-            if t == s.max_new_tokens - 1 or bool(done.all()):
-                break
-            if bool(done.any()):  # finished sequences leave the batch: no compute on padding
-                keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                alive, nxt, mask, position = alive[keep], nxt[keep], mask[keep], position[keep]
-            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
-            position = position + 1
-            logits = self.model(
-                input_ids=nxt[:, None],
-                attention_mask=mask if padded else None,
-                position_ids=position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-        return tokens.cpu(), lengths.cpu()
 
 
 class VllmSampler:
