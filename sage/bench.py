@@ -1,11 +1,13 @@
-"""``make bench`` (``python -m sage.bench [--only eval,overhead,run]``): speed and memory figures, printed as
-``name: value`` lines. Every comparison is measured side by side in one run (medians over repeats where
-timing is noisy), since other jobs share these two cores.
+"""``make bench`` (``python -m sage.bench [--only eval,attention,overhead,run]``): speed and memory
+figures, printed as ``name: value`` lines. Every comparison is measured side by side in one run (medians
+over repeats where timing is noisy), since other jobs share the machine's cores.
 
 - eval: sampled tokens/s of our evaluator's sampler vs the authors' approach (one ``generate`` call per
   problem with num_return_sequences=n), same testbed model, problems, n and max length; and the time the
   evaluator's grading pool takes on those completions relative to sampling them (grading must not be the
   bottleneck);
+- attention: the compact decoder's sampling speed with its C++ attention kernel, with eager torch ops and
+  with the torch-ops step under ``torch.compile`` (the kernel stays only while neither comes within 10%);
 - overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved;
 - run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model.
 """
@@ -95,8 +97,7 @@ def bench_eval() -> dict[str, float]:
             n = _per_problem_generate(model, tokenizer, ids, SAMPLES, max_new)
             theirs.append(n / (time.perf_counter() - t0))
     # each repeat runs both back to back, so the median of the per-repeat ratios is less exposed to the
-    # machine's drifts (19k to 33k tokens/s for the same sampler within minutes on this VM) than the
-    # ratio of the two medians
+    # machine's drifts than the ratio of the two medians
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     return {
         "eval_tokens_per_s_ours": round(statistics.median(ours), 1),
@@ -110,6 +111,70 @@ def bench_eval() -> dict[str, float]:
             statistics.median([g / t for g, t in zip(grade_s, sample_s, strict=True)]), 3
         ),
     }
+
+
+def bench_attention() -> dict[str, float | str]:
+    """Why the compact decoder attends with a C++ kernel: its sampling speed (tokens/s) with the kernel,
+    with the same attention in eager torch ops, and with the torch-ops step compiled by ``torch.compile``
+    (dynamic shapes: the batch shrinks and the cache grows every step), interleaved repeats on the testbed
+    model; the compiler's warm-up (first call) is reported apart from the steady state."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sage.eval.decode import CompactDecoder, CompactForward, sample_batch
+    from sage.testbed.model import build_tiny_model
+    from sage.testbed.task import heldout_rows
+
+    path = build_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(PROBLEMS)]
+    eos = torch.tensor([model.generation_config.eos_token_id])
+    max_new, per_batch = 64, 8
+
+    def tokens_per_s(decoder: CompactDecoder, seed: int) -> float:
+        cache = decoder.cache(max_new, per_batch * SAMPLES)
+        generator = torch.Generator().manual_seed(seed)
+        n_tokens, t0 = 0, time.perf_counter()
+        for start in range(0, len(ids), per_batch):
+            chunk = ids[start : start + per_batch]
+            _, lengths = sample_batch(
+                CompactForward(decoder, cache),
+                chunk,
+                [SAMPLES] * len(chunk),
+                max_new_tokens=max_new,
+                temperature=1.0,
+                top_p=1.0,
+                eos=eos,
+                pad_id=0,
+                generator=generator,
+            )
+            n_tokens += int(lengths.sum())
+        return n_tokens / (time.perf_counter() - t0)
+
+    decoders = {
+        "kernel": CompactDecoder(model, attention="kernel"),
+        "torch": CompactDecoder(model, attention="torch"),
+        "compiled": CompactDecoder(model, attention="torch"),
+    }
+    decoders["compiled"].step = torch.compile(decoders["compiled"].step, dynamic=True)
+    t0 = time.perf_counter()
+    tokens_per_s(decoders["compiled"], REPEATS)
+    warmup = time.perf_counter() - t0
+    for decoder in decoders.values():  # first-call costs (kernel load, cache pages) are not timed
+        tokens_per_s(decoder, REPEATS)
+    speed: dict[str, list[float]] = {name: [] for name in decoders}
+    for seed in range(REPEATS):  # interleaved, so all three see the same background load
+        for name, decoder in decoders.items():
+            speed[name].append(tokens_per_s(decoder, seed))
+    out: dict[str, float | str] = {
+        f"attention_tokens_per_s_{name}": round(statistics.median(v), 1) for name, v in speed.items()
+    }
+    for name in ("torch", "compiled"):
+        ratios = [a / b for a, b in zip(speed["kernel"], speed[name], strict=True)]
+        out[f"attention_kernel_over_{name}"] = round(statistics.median(ratios), 3)
+        out[f"attention_kernel_over_{name}_range"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
+    out["attention_compile_warmup_s"] = round(warmup, 1)
+    return out
 
 
 def _sage_train(overrides: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -187,7 +252,7 @@ def bench_run() -> dict[str, float]:
     return out
 
 
-BENCHES = {"eval": bench_eval, "overhead": bench_overhead, "run": bench_run}
+BENCHES = {"eval": bench_eval, "attention": bench_attention, "overhead": bench_overhead, "run": bench_run}
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ every step) and the mask/rotary bookkeeping. Here
 - a step's attention (each row's query against its prompt's keys and its own generated keys, one
   softmax) is one fused C++ kernel, ``torch.ops.sage.decode_attention`` (``sage/kernels``), built on
   first use. In torch ops it is a batched matrix-vector product per (row, head), whose per-product
-  overhead and strided reads grew a testbed step from 86 ms at the first slot to 137 ms at the 25th; those
-  ops remain as ``attention="torch"``, the
-  path taken (and logged by the evaluator) where the kernel cannot be built.
+  overhead and strided reads grow with every generated slot; those ops remain as ``attention="torch"``,
+  the path taken (and logged by the evaluator) where the kernel cannot be built. ``make bench`` compares
+  the three ways to attend (kernel, torch ops, torch ops under ``torch.compile``).
 
 The model's own rotary module gives cos/sin, so every RoPE variant is covered; RMSNorm and softmax run in
 float32 as in transformers. ``tests/test_decode.py`` checks logits against the model's forward pass at
@@ -131,8 +131,8 @@ def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim; written out below 16 entries, where torch 2.13's CPU kernel leaves its
-    vectorised path and is ~5x slower (the first decode steps of short prompts)."""
+    """Softmax over the last dim; written out below 16 entries, where torch's CPU kernel leaves its
+    vectorised path (the first decode steps of short prompts)."""
     if scores.shape[-1] >= 16:
         return torch.softmax(scores, dim=-1)
     e = (scores - scores.amax(-1, keepdim=True)).exp_()
@@ -276,9 +276,8 @@ class CompactDecoder:
         self._workspace: dict[str, torch.Tensor] = {}
 
     def _out(self, name: str, rows: int, features: int) -> torch.Tensor:
-        """A (rows, features) output buffer reused by every step and layer. Written into a fresh tensor
-        each time, the MLP's (2560, 128) x (128, 512) products took 4.1 ms instead of 2.7 ms (profile of
-        testbed decode steps on an AMD EPYC VM; whole sampling +13% in an interleaved A/B)."""
+        """A (rows, features) output buffer reused by every step and layer: a fresh tensor per product
+        costs a page fault per 4 KiB on first touch, which the decode step's small products cannot hide."""
         buf = self._workspace.get(name)
         if buf is None or buf.shape[0] < rows or buf.shape[1] != features:
             buf = self._workspace[name] = torch.empty(rows, features, dtype=self.dtype, device=self.device)

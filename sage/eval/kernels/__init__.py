@@ -53,7 +53,7 @@ def _ninja_on_path():
 
 @functools.cache
 def decode_attention_unavailable() -> str | None:
-    """None once ``torch.ops.sage.decode_attention`` is loaded (built on first use on a machine, ~20 s),
+    """None once ``torch.ops.sage.decode_attention`` is loaded (built on first use on a machine, then cached),
     else the reason it cannot be (the compiler's error line, else the builder's first line)."""
     from torch.utils.cpp_extension import load
 

@@ -1,9 +1,9 @@
-// One decode step's attention for the compact decoder (sage/decode.py, CompactDecoder.step).
+// One decode step's attention for the compact decoder (sage/eval/decode.py, CompactDecoder.step).
 //
 // Each row's query attends, under one softmax, to the keys of its prompt (stored once per prompt, shared
 // by that prompt's n samples) and to the keys of the tokens it generated itself (a slot-major cache).
-// In torch ops this is two batched matrix-VECTOR products per part, one tiny product per (row, head):
-// ~0.14 us of overhead each (2.8 ms for 20480 of them at 4 slots), the cache read at 2-3 GB/s. Here rows
+// In torch ops this is two batched matrix-VECTOR products per part, one tiny product per (row, head),
+// each with a fixed overhead, and a strided read of the cache. Here rows
 // are taken in blocks of consecutive rows: at a given slot the cache holds a block's keys as one
 // contiguous run, so the pass over the cache streams memory, and the products, the softmax and the
 // weighted sum of values are fused with no temporary beyond the block's scores.
