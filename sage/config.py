@@ -198,6 +198,10 @@ class EvalConfig:
         default=0.9, metadata={"help": "the evaluation engine runs alone, after training's is freed"}
     )
     vllm_tensor_parallel_size: int = 1
+    vllm_cpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={"help": "vLLM's CPU build: the fraction of the memory node it reserves (same vLLM flag)"},
+    )
     batch_size: int = field(default=512, metadata={"help": "sequences per decode batch (hf backend)"})
     at_end: bool = field(default=True, metadata={"help": "evaluate base and trained model after training"})
     every_steps: int | None = field(

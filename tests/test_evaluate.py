@@ -53,6 +53,7 @@ class FakeSampler:
         self.calls: list[int] = []  # the seed of every sample() call
         self.fail_on_call: int | None = None
         self.opened = 0  # how many times a sampler (a model) was loaded
+        self.closed = 0  # ... and shut down
 
     def sample(self, prompt_ids, s):
         self.calls.append(s.seed)
@@ -66,6 +67,9 @@ class FakeSampler:
             for i in range(len(prompt_ids))
         ]
         return Samples(out, n_tokens=0)
+
+    def close(self):
+        self.closed += 1
 
 
 class FakePool:

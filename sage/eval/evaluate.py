@@ -137,6 +137,7 @@ def evaluate_model(
                     continue
                 if sampler is None:  # started only when a cell is missing: a finished run loads nothing
                     sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
+                    stack.callback(sampler.close)  # a vLLM engine is shut down before the next is built
                     if pool is None:
                         pool = stack.enter_context(GradingPool(workers=2))
                 per_seed.append(evaluate_dataset(sampler, tokenizer, rows, key, cell=cell, pool=pool))

