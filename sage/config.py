@@ -335,7 +335,9 @@ def validate(cfg: DictConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError(
-                "rollout=vllm needs a CUDA GPU and none is visible; use rollout=hf on this machine"
+                "rollout=vllm: TRL's vLLM training rollouts need a CUDA GPU and none is visible (vLLM's CPU "
+                "build cannot reload weights in place); use rollout=hf, and eval.backend=vllm to evaluate "
+                "through vLLM here"
             )
     t = cfg.trl
     if t.num_generations < 2:

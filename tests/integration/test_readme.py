@@ -36,7 +36,11 @@ SHRINK_TRAIN = {
 SHRINK_EVAL = {"eval.n_samples": "2", "eval.limit": "2", "eval.seeds": "[0]"}
 # Keys shrunk only where the README command sets them: a continued run goes one step further, the
 # periodic evaluation comes every step.
-SHRINK_IF_SET = {"resume": {"trl.max_steps": "2"}, "eval.every_steps": {"eval.every_steps": "1"}}
+SHRINK_IF_SET = {
+    "resume": {"trl.max_steps": "2"},
+    "eval.every_steps": {"eval.every_steps": "1"},
+    "model": {"model.sft.data.n": "64", "model.sft.args.num_train_epochs": "1"},  # a model with an SFT stage
+}
 # A paper grid keeps one of its rows; an Optuna study runs one trial, with an objective the shrunk
 # evaluation logs (its default pass@64 needs 64 samples).
 SHRINK_GRID = {"hydra.sweeper.params.experiment": "grpo"}
