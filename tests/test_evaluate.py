@@ -312,10 +312,18 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
         json.dumps({"base_model_name_or_path": "/models/base", "r": 8})
     )
     eval_cfg_vllm = SimpleNamespace(
-        backend="vllm", vllm_gpu_memory_utilization=0.45, vllm_tensor_parallel_size=2
+        backend="vllm",
+        vllm_gpu_memory_utilization=0.45,
+        vllm_tensor_parallel_size=2,
+        vllm_cpu_memory_utilization=0.3,
     )
 
     sampler = sampling.VllmSampler(Checkpoint.resolve(str(adapter)), "bfloat16", eval_cfg_vllm)
+    device = (  # what the CUDA build takes; the CPU build runs eager and reserves a share of RAM
+        {"gpu_memory_utilization": 0.45, "tensor_parallel_size": 2}
+        if torch.cuda.is_available()
+        else {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+    )
     assert fake.engines == [
         {
             "model": "/models/base",  # the base model; the adapter is not merged but served as LoRA
@@ -323,8 +331,7 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
             "dtype": "bfloat16",
             "enable_lora": True,
             "max_lora_rank": 8,
-            "gpu_memory_utilization": 0.45,
-            "tensor_parallel_size": 2,
+            **device,
         }
     ]
     s = sampling.SamplingSettings(
