@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from sage.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -246,17 +248,41 @@ def open_store(uri: str, experiment: str):
         return client, experiment_id(client, experiment, uri)
 
 
+def check_store(cfg: DictConfig) -> None:
+    """Open the run's MLflow store before any expensive work, so that an unreachable server or a corrupt
+    SQLite file fails in seconds with one line. A server gets a few short retries, not urllib3's minutes of
+    backoff (the environment's MLFLOW_HTTP_REQUEST_* settings win)."""
+    if not cfg.tracking.enabled:
+        return
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    uri = resolve_uri(cfg.tracking.uri)
+    try:
+        open_store(uri, cfg.tracking.experiment)
+    except Exception as e:  # any failure to reach or read the store: the reason's first line, once
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"tracking.uri={redact(uri)}: the MLflow store cannot be opened: {reason}") from e
+
+
 @contextmanager
-def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]:
-    """Open (or re-open, for a resumed output folder) the MLflow run of ``out``; ``kind`` is train or eval.
-    Yields None when ``tracking.enabled=false``. The run ends FINISHED, or FAILED on an exception."""
+def start_run(cfg: DictConfig, out: Path, kind: str, resume: bool = True) -> Iterator[Tracker | None]:
+    """Open (or, with ``resume``, re-open) the MLflow run of ``out``; ``kind`` is train or eval. Without
+    ``resume`` a run an earlier attempt left in ``out`` is closed as FAILED and a new one starts, so two
+    attempts never merge into one run. Yields None when ``tracking.enabled=false``. The run ends FINISHED,
+    KILLED on Ctrl-C, FAILED on any other exception."""
     if not cfg.tracking.enabled:
         yield None
         return
     uri = resolve_uri(cfg.tracking.uri)
     client, exp_id = open_store(uri, cfg.tracking.experiment)
     id_file = out / RUN_ID_FILE
-    resumed = id_file.exists()
+    resumed = id_file.exists() and resume
+    if id_file.exists() and not resume:
+        earlier = id_file.read_text().strip()
+        if client.get_run(earlier).info.status == "RUNNING":  # killed before it could close its run
+            client.set_terminated(earlier, status="FAILED")
+        log.info("MLflow run %s of an earlier attempt in %s is not continued: a new run starts", earlier, out)
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
     if resumed:
         run_id = id_file.read_text().strip()
@@ -292,8 +318,8 @@ def start_run(cfg: DictConfig, out: Path, kind: str) -> Iterator[Tracker | None]
     tracker = Tracker(client, run_id, resumed)
     try:
         yield tracker
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
+    except BaseException as e:
+        client.set_terminated(run_id, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     client.set_terminated(run_id, status="FINISHED")
 

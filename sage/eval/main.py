@@ -36,7 +36,7 @@ from sage.config import (
     register_configs,
 )
 from sage.paths import CONF_DIR, base_results_dir
-from sage.tracking import metric_key, start_run
+from sage.tracking import check_store, metric_key, start_run
 
 log = logging.getLogger("sage.eval")
 
@@ -66,6 +66,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
 
     check_eval(cfg.eval)
     check_backend(cfg.eval)
+    check_store(cfg)
     if cfg.checkpoint is not None and not Path(cfg.checkpoint).is_dir():
         raise ConfigError(
             f"checkpoint={cfg.checkpoint} is not a folder; for a hub model leave checkpoint unset"

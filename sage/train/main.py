@@ -30,7 +30,7 @@ from sage.config import (
     validate,
 )
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
-from sage.tracking import start_run
+from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.train.main")
 register_configs()
@@ -193,8 +193,32 @@ def config_callback(name: str, node: DictConfig):
     return callback
 
 
+def set_aside_incomplete_checkpoints(rl_dir: Path) -> None:
+    """A checkpoint-N/ whose save a kill cut short (no readable trainer_state.json, which the Trainer writes
+    after the weights, optimiser and RNG states, or an empty file) is renamed checkpoint-N.incomplete, with
+    a logged line: kept for inspection, never resumed from, and out of the way of a rerun."""
+    if not rl_dir.is_dir():
+        return
+    for folder in sorted(rl_dir.glob("checkpoint-*")):
+        if not folder.is_dir() or not folder.name.removeprefix("checkpoint-").isdigit():
+            continue
+        state = folder / "trainer_state.json"
+        try:
+            complete = bool(json.loads(state.read_text())) and all(
+                f.stat().st_size > 0 for f in folder.iterdir() if f.is_file()
+            )
+        except (OSError, ValueError):
+            complete = False
+        if not complete:
+            aside = folder.with_name(f"{folder.name}.incomplete")
+            shutil.rmtree(aside, ignore_errors=True)  # an older attempt's leftover of the same step
+            folder.rename(aside)
+            log.warning("%s was not completely saved (killed while saving?): set aside as %s", folder, aside)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     validate(cfg)
+    check_store(cfg)
     divergence, guide = build_parts(cfg)
     out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -204,6 +228,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from sage.config import Resume, resume_mode
 
     rl_dir = out / "rl"
+    set_aside_incomplete_checkpoints(rl_dir)
     last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
     resume = resume_mode(cfg.resume)
     if resume == Resume.true and last is None:
@@ -241,7 +266,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     # One grading pool for the run (its workers start on first use): training rewards, the periodic and
     # the final evaluation are all graded by it, under the same time and memory limits.
-    with start_run(cfg, out, kind="train") as tracker, GradingPool() as pool:
+    # the run of an earlier attempt is continued only with its work: a checkpoint, or a finished final/
+    continuing = last is not None or final_step(out / "final") >= 0
+    with start_run(cfg, out, kind="train", resume=continuing) as tracker, GradingPool() as pool:
         if tracker is not None:
             tracker.log_artifact(out / "config.yaml")
             tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
