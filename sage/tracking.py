@@ -265,6 +265,22 @@ def check_store(cfg: DictConfig) -> None:
         raise ConfigError(f"tracking.uri={redact(uri)}: the MLflow store cannot be opened: {reason}") from e
 
 
+def _run_in_store(client, id_file: Path):
+    """The run ``id_file`` names, if this store holds it. A folder shared by runs logged to different
+    stores (the base model's evaluation cache) may name a run of another store: that one is not ours to
+    continue, and a new run starts."""
+    from mlflow.exceptions import MlflowException
+
+    if not id_file.exists():
+        return None
+    run_id = id_file.read_text().strip()
+    try:
+        return client.get_run(run_id)
+    except MlflowException:
+        log.info("MLflow run %s named in %s is not in this store: a new run starts", run_id, id_file)
+        return None
+
+
 @contextmanager
 def start_run(cfg: DictConfig, out: Path, kind: str, resume: bool = True) -> Iterator[Tracker | None]:
     """Open (or, with ``resume``, re-open) the MLflow run of ``out``; ``kind`` is train or eval. Without
@@ -277,12 +293,16 @@ def start_run(cfg: DictConfig, out: Path, kind: str, resume: bool = True) -> Ite
     uri = resolve_uri(cfg.tracking.uri)
     client, exp_id = open_store(uri, cfg.tracking.experiment)
     id_file = out / RUN_ID_FILE
-    resumed = id_file.exists() and resume
-    if id_file.exists() and not resume:
-        earlier = id_file.read_text().strip()
-        if client.get_run(earlier).info.status == "RUNNING":  # killed before it could close its run
-            client.set_terminated(earlier, status="FAILED")
-        log.info("MLflow run %s of an earlier attempt in %s is not continued: a new run starts", earlier, out)
+    earlier = _run_in_store(client, id_file)
+    resumed = earlier is not None and resume
+    if earlier is not None and not resume:
+        if earlier.info.status == "RUNNING":  # killed before it could close its run
+            client.set_terminated(earlier.info.run_id, status="FAILED")
+        log.info(
+            "MLflow run %s of an earlier attempt in %s is not continued: a new run starts",
+            earlier.info.run_id,
+            out,
+        )
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
     if resumed:
         run_id = id_file.read_text().strip()

@@ -91,3 +91,14 @@ def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_p
     last = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-1]
     assert last.startswith(f"error: tracking.uri=sqlite:///{corrupt}: the MLflow store cannot be opened")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_folder_naming_a_run_of_another_store_starts_a_new_run(tmp_path):
+    """The base model's evaluation cache is shared by runs logged to different stores."""
+    out = tmp_path / "shared"
+    out.mkdir()
+    with start_run(cfg(f"sqlite:///{tmp_path / 'a.db'}"), out, kind="eval") as tracker:
+        in_a = tracker.run_id
+    with start_run(cfg(f"sqlite:///{tmp_path / 'b.db'}"), out, kind="eval") as tracker:
+        in_b = tracker.run_id
+    assert in_b != in_a and (out / RUN_ID_FILE).read_text() == in_b
