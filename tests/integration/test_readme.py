@@ -48,6 +48,7 @@ SHRINK_STUDY = {
     "hydra.sweeper.n_trials": "1",
     "hydra.sweeper.n_jobs": "1",
     "hydra.sweeper.objectives": "[trained/arith_heldout/pass@1]",
+    "hydra.sweeper.directions": "[maximize]",
 }
 # Commands that cannot run here, by what they need; they are composed instead.
 COMPOSE_ONLY = {
