@@ -11,18 +11,24 @@ from dataclasses import dataclass
 
 
 def cosine_cycles(step: int, max_steps: int, start: float, end: float, cycles: int, decay: float) -> float:
-    """Cosine decay from ``start`` to ``end`` repeated over ``cycles`` cycles; after each of the first
-    cycles - 1 cycles the starting value is multiplied by ``decay`` (the authors' code)::
+    """Cosine decay from ``start`` to ``end`` repeated over ``cycles`` equal cycles of the ``max_steps``
+    optimiser steps; after each of the first cycles - 1 cycles the starting value is multiplied by
+    ``decay``::
 
-        cycle_length = max_steps // cycles;  c = step // cycle_length
-        t = (step mod cycle_length) / cycle_length
-        value = end + (start * decay**min(c, cycles - 1) - end) * 0.5 * (1 + cos(pi * t))
-    """
+        p = step * cycles / max_steps        (position in cycles, 0 .. cycles)
+        c = min(floor(p), cycles - 1);  t = min(p - c, 1)
+        value = end + (start * decay**c - end) * 0.5 * (1 + cos(pi * t))
+
+    When ``cycles`` divides ``max_steps`` this is the authors' code (cycle length max_steps // cycles, t =
+    (step mod length) / length). Otherwise the authors' integer cycle length leaves ``max_steps mod cycles``
+    steps after the last cycle, which restart at its peak; here the cycles share the steps exactly, so the
+    last cycle ends at ``end``, also when ``max_steps < cycles``. Past ``max_steps`` the value stays at
+    ``end``."""
     if step < 0:
         raise ValueError(f"step must be >= 0 (got {step})")
-    cycle_length = max(max_steps // cycles, 1)
-    cycle = min(step // cycle_length, cycles - 1)
-    t = (step % cycle_length) / cycle_length
+    position = step * cycles / max(max_steps, 1)
+    cycle = min(int(position), cycles - 1)
+    t = min(position - cycle, 1.0)
     high = start * decay**cycle
     return end + (high - end) * 0.5 * (1.0 + math.cos(math.pi * t))
 
