@@ -417,6 +417,14 @@ def check_eval(eval_cfg: DictConfig) -> None:
     is not given, so shrinking ``eval.n_samples`` alone keeps a valid config."""
     if eval_cfg.n_samples < 1:
         raise ConfigError(f"eval.n_samples must be >= 1 (got {eval_cfg.n_samples})")
+    if not eval_cfg.seeds:
+        raise ConfigError("eval.seeds is empty: give at least one sampling seed, e.g. eval.seeds=[0]")
+    for key, least in (("limit", 1), ("batch_size", 1), ("every_steps", 1), ("every_n_samples", 1)):
+        value = eval_cfg.get(key)
+        if value is not None and value < least:
+            raise ConfigError(f"eval.{key} must be >= {least} (got {value})")
+    if eval_cfg.get("perplexity_cap", 0) < 0:
+        raise ConfigError(f"eval.perplexity_cap must be >= 0 (0: off; got {eval_cfg.perplexity_cap})")
     if eval_cfg.ks is None:
         eval_cfg.ks = default_ks(eval_cfg.n_samples)
     for k in eval_cfg.ks:

@@ -267,3 +267,20 @@ def test_an_8bit_optimiser_without_cuda_fails_at_config_time(overrides, key):
     ):
         validate(cfg_for(*overrides))
     validate(cfg_for("model=tiny_sft"))  # the testbed's own SFT stage uses a CPU optimiser: accepted
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.seeds=[]", "eval.seeds is empty"),
+        ("eval.n_samples=0", "eval.n_samples must be >= 1"),
+        ("eval.limit=0", "eval.limit must be >= 1"),
+        ("eval.batch_size=0", "eval.batch_size must be >= 1"),
+        ("eval.every_steps=0", "eval.every_steps must be >= 1"),
+        ("eval.perplexity_cap=-1", "eval.perplexity_cap must be >= 0"),
+    ],
+)
+def test_bad_eval_values_fail_at_config_time(override, message):
+    """Before training, not when the evaluation after it starts (issue 14)."""
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(override, "eval.ks=[1]"))
