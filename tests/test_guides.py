@@ -10,6 +10,7 @@ from sage.objective.guides import (
     TokenGuide,
     branch_q,
     finalize,
+    noise_seed,
     normalise_per_sequence,
     token_q,
 )
@@ -94,6 +95,43 @@ def test_random_guide_rate_scale_and_schedule():
     always = RandomGuide(schedule=ConstantSchedule(), eps_start=1.0, seed=0)
     q = always(logps=None, ref_logps=None, entropies=None, mask=torch.tensor([[1, 0]]), step=0)
     assert q[0, 1] == 1.0 and 0.6 <= q[0, 0] <= 1.4
+
+
+def test_noise_seed_is_a_fixed_hash_of_its_four_integers():
+    # pinned: the same (seed, step, rank, micro) must mean the same noise on any machine and interpreter
+    assert noise_seed(3, 7, 1, 2) == 8326933190681351764
+    seeds = {noise_seed(s, t, r, m) for s in (0, 1) for t in (0, 1) for r in (0, 1) for m in (-1, 0, 1)}
+    assert len(seeds) == 24 and all(0 <= x < 2**63 for x in seeds)
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [
+        RandomGuide(schedule=ConstantSchedule(), eps_start=0.5, q_min=1e-3, q_max=10.0, seed=4),
+        TokenGuide(schedule=ConstantSchedule(), sigma_start=0.5, q_min=1e-3, q_max=10.0, seed=4),
+    ],
+    ids=["random", "token"],
+)
+def test_guide_noise_is_a_pure_function_of_seed_step_rank_micro(guide):
+    """A resumed run calls the guide afresh at step N: it must draw what the uninterrupted run drew there.
+    Another process (rank) or micro-batch, or another step, draws other noise."""
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(4, 9, generator=g) * 3  # (B, T): distinct surprisals, so w > 0 for the token guide
+    mask = torch.ones(4, 9)
+
+    def q(step, rank, micro, of=guide):
+        return of(logps=logps, ref_logps=None, entropies=None, mask=mask, step=step, rank=rank, micro=micro)
+
+    first = q(5, 1, 2)
+    for _ in range(3):  # other calls in between do not move it
+        q(0, 0, 0)
+    assert torch.equal(q(5, 1, 2), first)
+    fresh = type(guide)(**{f: getattr(guide, f) for f in guide.__dataclass_fields__})  # a restarted process
+    assert torch.equal(q(5, 1, 2, of=fresh), first)
+    for other in [(6, 1, 2), (5, 0, 2), (5, 1, 3), (5, 1, -1)]:
+        assert not torch.equal(q(*other), first), other
+    reseeded = type(guide)(**{**{f: getattr(guide, f) for f in guide.__dataclass_fields__}, "seed": 5})
+    assert not torch.equal(q(5, 1, 2, of=reseeded), first)
 
 
 def test_no_guide_is_one():

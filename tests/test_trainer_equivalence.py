@@ -1,13 +1,16 @@
 """SageGRPOTrainer against the upstream it extends: on the same model and inputs, guide=none + reverse-KL k3
 equals TRL's GRPO loss (and gradient) to 1e-6 for every loss type, and divergence=none equals TRL's beta=0
-loss. A shaped guide changes the loss by exactly beta * aggregate(k3 to q * pi_ref) - beta * aggregate(k3)."""
+loss. A shaped guide changes the loss by exactly beta * aggregate(k3 to q * pi_ref) - beta * aggregate(k3).
+A micro-batch gets the same q on every pass over it; DAPO's filter decides on rewards and counts tokens
+as the loss masks them."""
 
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from sage.objective.divergences import NoDivergence, ReverseKL, k3
-from sage.objective.guides import BranchGuide, NoGuide
+from sage.objective.guides import BranchGuide, NoGuide, RandomGuide
+from sage.objective.schedules import ConstantSchedule
 from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
 from sage.train.trainer import SageGRPOTrainer, aggregate
@@ -30,8 +33,8 @@ def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def make(cls, path, tmp, beta, loss_type, iw=False, **kw):
-    args = GRPOConfig(
+def make(cls, path, tmp, beta, loss_type, iw=False, config=None, **kw):
+    settings = dict(
         use_bias_correction_kl=iw,
         output_dir=str(tmp),
         per_device_train_batch_size=8,
@@ -47,6 +50,7 @@ def make(cls, path, tmp, beta, loss_type, iw=False, **kw):
         disable_dropout=True,
         bf16=False,
     )
+    args = GRPOConfig(**{**settings, **(config or {})})
     t = cls(model=path, reward_funcs=[zero_reward], args=args, train_dataset=arith_dataset(16, 0), **kw)
     t.model.train()
     t.current_gradient_accumulation_steps = (
@@ -168,12 +172,152 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
 
 
 def test_informative_groups():
-    from sage.train.trainer import informative_groups
+    from sage.train.trainer import informative_groups, total_rewards
 
-    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7, -0.7, 0.0, 0.0])  # group 1: zero variance; group 2: mixed
-    assert informative_groups(adv, 4).tolist() == [False] * 4 + [True] * 4
+    nan = float("nan")
+    rewards = torch.tensor(
+        [
+            [0.7, 0.7, 0.7, 0.7],  # equal rewards: no variance
+            [1.0, 0.0, 0.0, 0.0],  # mixed
+            [1.0, nan, 1.0, nan],  # the scored ones are equal: no variance
+            [1.0, nan, nan, nan],  # one scored completion: no variance
+            [nan, nan, nan, nan],  # nothing scored
+            [0.0, nan, 1.0, 0.0],  # mixed among the scored
+        ]
+    ).flatten()
+    assert informative_groups(rewards, 4).tolist() == ([False] * 4 + [True] * 4 + [False] * 12 + [True] * 4)
     with pytest.raises(ValueError, match="whole groups"):
-        informative_groups(adv[:6], 4)
+        informative_groups(rewards[:6], 4)
+    # the weighted sum over reward functions, NaN only where no function scored the completion
+    per_func = torch.tensor([[1.0, 2.0], [nan, 2.0], [nan, nan]])
+    total = total_rewards(per_func, torch.tensor([0.5, 2.0]))
+    assert total[:2].tolist() == [4.5, 4.0] and total[2].isnan()
+
+
+def scored_batch(trainer, monkeypatch, rewards, completion_length=4, tool_mask=None):
+    """TRL's own _generate_and_score_completions on constructed completions (each ``completion_length``
+    tokens, ``tool_mask`` on each if given) and constructed rewards: only _generate and the reward call
+    are replaced, so advantages, masks and the token count are TRL's."""
+    n = len(rewards)
+    completions = [[5 + (i + j) % 20 for j in range(completion_length)] for i in range(n)]
+    tool_masks = None if tool_mask is None else [list(tool_mask) for _ in range(n)]
+
+    def generate(self, prompts):
+        return [[4, 5, 6]] * n, completions, tool_masks, ["c"] * n, None, {}, None, None
+
+    per_func = torch.tensor(rewards, dtype=torch.float32).unsqueeze(1)  # (N, 1): one reward function
+    monkeypatch.setattr(GRPOTrainer, "_generate", generate)
+    monkeypatch.setattr(GRPOTrainer, "_calculate_rewards", lambda self, *args: per_func.clone())
+    return trainer._generate_and_score_completions([{"prompt": "1+1="}] * n)
+
+
+def dapo_trainer(model_path, tmp, **config):
+    return make(
+        SageGRPOTrainer,
+        model_path,
+        tmp,
+        0.0,
+        "dapo",
+        divergence=NoDivergence(),
+        guide=NoGuide(),
+        filter_zero_variance_groups=True,
+        config={"per_device_train_batch_size": 16, "num_generations": 8, **config},
+    )
+
+
+def test_dapo_filter_drops_an_equal_reward_group_whose_advantages_are_not_zero(
+    model_path, tmp_path, monkeypatch
+):
+    """Eight equal partial-credit rewards: TRL's group mean of them can round off the value, so their
+    advantages are (r - mean) / (0 + 1e-4), small but nonzero. The value is chosen among common ones by
+    measuring that rounding with the group mean TRL computes."""
+    group = 8
+    mixed = [1.0, 0.0] * 4
+
+    def rounds(v):
+        rewards = torch.tensor([v] * group + mixed)
+        return bool(torch.nanmean(rewards.view(-1, group), dim=1)[0] != v)
+
+    value = next(v for v in [i / 10 for i in range(1, 10)] + [1 / 3, 2 / 3, 1 / 7] if rounds(v))
+    t = dapo_trainer(model_path, tmp_path)
+    out = scored_batch(t, monkeypatch, [value] * group + mixed)
+    assert torch.all(out["advantages"][:group] != 0)  # the case: "advantages == 0" would keep this group
+    assert out["completion_mask"][:group].sum() == 0
+    assert torch.equal(
+        out["completion_mask"][group:], torch.ones(group, 4, dtype=out["completion_mask"].dtype)
+    )
+    assert out["num_items_in_batch"] == group * 4
+    assert t._metrics["train"]["frac_groups_filtered"][-1] == 0.5
+
+
+def test_dapo_filter_keeps_unequal_reward_groups_whose_advantages_are_all_zero(
+    model_path, tmp_path, monkeypatch
+):
+    """scale_rewards=batch divides by the batch's reward std; a reward scale whose square overflows float32
+    makes it infinite, so every advantage is exactly 0 although both groups' rewards differ."""
+    t = dapo_trainer(model_path, tmp_path, scale_rewards="batch")
+    out = scored_batch(t, monkeypatch, [1.0, 0.0] * 4 + [2e19, -2e19] * 4)
+    assert torch.all(out["advantages"] == 0)  # the case: "advantages == 0" would drop both groups
+    assert out["completion_mask"].sum() == 16 * 4
+    assert out["num_items_in_batch"] == 16 * 4
+    assert t._metrics["train"]["frac_groups_filtered"][-1] == 0.0
+
+
+def test_dapo_filter_counts_tokens_under_the_tool_mask(model_path, tmp_path, monkeypatch):
+    """Tool-result tokens (tool_mask 0) are not in the loss, so not in its token count either: 4 tokens per
+    completion of which 2 are the model's, 8 completions kept -> 16 tokens (the completion mask alone: 32)."""
+    t = dapo_trainer(model_path, tmp_path)
+    out = scored_batch(t, monkeypatch, [1.0] * 8 + [1.0, 0.0] * 4, tool_mask=[1, 0, 0, 1])
+    assert out["completion_mask"].sum() == 8 * 4
+    assert out["num_items_in_batch"] == 8 * 2
+
+
+class RecordingGuide:
+    """A guide that records each q it returns and the optimiser step of the call."""
+
+    def __init__(self, guide, trainer_ref):
+        self.guide, self.trainer_ref, self.calls = guide, trainer_ref, []
+
+    def __call__(self, **kwargs):
+        q = self.guide(**kwargs)
+        self.calls.append((self.trainer_ref[0].state.global_step, q))
+        return q
+
+    def params(self, step):
+        return self.guide.params(step)
+
+
+def test_a_micro_batch_gets_the_same_q_on_every_pass(model_path, tmp_path):
+    """num_iterations=2, two micro-batches per generation batch (steps_per_generation=2), one optimiser step
+    per micro-batch: steps 0-3 train on micro-batches 0, 1, 0, 1 of the first generation batch, steps 4-5
+    on those of the second. Each pass over a micro-batch draws the same random-guide noise."""
+    guide = RandomGuide(schedule=ConstantSchedule(), eps_start=0.5, q_min=1e-3, q_max=10.0, seed=0)
+    ref = []
+    recording = RecordingGuide(guide, ref)
+    t = make(
+        SageGRPOTrainer,
+        model_path,
+        tmp_path,
+        0.0,
+        "grpo",
+        divergence=NoDivergence(),
+        guide=recording,
+        config={
+            "per_device_train_batch_size": 4,
+            "steps_per_generation": 2,
+            "num_iterations": 2,
+            "max_steps": 6,
+            "save_strategy": "no",
+        },
+    )
+    ref.append(t)
+    t.train()
+    steps = [step for step, _ in recording.calls]
+    q = [q for _, q in recording.calls]
+    assert steps == [0, 1, 2, 3, 4, 5]
+    assert torch.equal(q[0], q[2]) and torch.equal(q[1], q[3])  # the second pass over each micro-batch
+    assert not torch.equal(q[0], q[1])  # the other micro-batch
+    assert q[4].shape != q[0].shape or not torch.equal(q[4], q[0])  # the next generation batch
 
 
 def test_zero_variance_groups_are_masked_out_of_the_loss(model_path, tmp_path, monkeypatch):
@@ -192,7 +336,13 @@ def test_zero_variance_groups_are_masked_out_of_the_loss(model_path, tmp_path, m
     t.num_generations = 4
     inputs = fake_inputs(t, seed=3)
     inputs["advantages"][:4] = 0.0
-    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", lambda self, _: dict(inputs))
+    rewards = torch.tensor([[0.5]] * 4 + [[1.0], [0.0], [0.0], [1.0]])  # (8, 1): group 1 has zero variance
+
+    def generate_and_score(self, _):
+        self._rewards_per_func = rewards  # what SageGRPOTrainer._calculate_rewards keeps
+        return dict(inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate_and_score)
     filtered = t._generate_and_score_completions(None)
     assert filtered["completion_mask"][:4].sum() == 0
     assert torch.equal(filtered["completion_mask"][4:], inputs["completion_mask"][4:])

@@ -34,10 +34,23 @@ def aggregate(
     raise ValueError(f"algorithm.loss_type must be grpo, bnpo, dr_grpo or dapo (got {loss_type!r})")
 
 
-def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: False for every completion of a group whose advantages are all 0, which happens exactly
-    when all its rewards are equal (zero variance), whatever the reward scaling."""
-    if advantages.numel() % group_size:
-        raise ValueError(f"{advantages.numel()} completions do not form whole groups of {group_size}")
-    groups = advantages.view(-1, group_size)  # (B / G, G)
-    return (groups != 0).any(dim=1).repeat_interleave(group_size)
+def total_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(N, F) rewards of F functions (NaN: the function did not score it), (F,) weights -> (N,) the
+    weighted sum TRL logs as ``reward``; NaN where no function scored the completion (unscorable)."""
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) rewards -> (N,) bool: False for every completion of a group whose rewards are all equal (zero
+    variance), unscorable (NaN) completions left out; a group with fewer than two scored completions
+    has no variance either. Decided on the rewards themselves, exactly: advantages are no test, as an
+    equal-reward group's can be nonzero after scaling (the group mean rounds) and an unequal-reward
+    group's can all be 0 (a batch std that overflows)."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} completions do not form whole groups of {group_size}")
+    groups = rewards.view(-1, group_size)  # (N / G, G)
+    scored = ~torch.isnan(groups)
+    high = groups.masked_fill(~scored, float("-inf")).amax(dim=1)
+    low = groups.masked_fill(~scored, float("inf")).amin(dim=1)
+    return (high > low).repeat_interleave(group_size)

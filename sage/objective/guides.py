@@ -4,14 +4,22 @@ A guide is computed from signals of the forward pass TRL already runs (sampled-t
 next-token entropies), is detached (no gradient flows through q), is clamped to [q_min, q_max] and is 1
 on padding. Pure functions do the maths; the small classes hold hyperparameters and the schedule.
 
+A guide is called with what identifies the micro-batch it shapes: ``step`` (the optimiser step its
+generation batch was generated at; it also sets the schedule's position), ``rank`` (the process) and
+``micro`` (its index inside the generation batch). The noise of the random and token guides is a pure
+function of (seed, step, rank, micro): a resumed run draws what an uninterrupted one draws, processes
+draw different noise, and a micro-batch seen again (``num_iterations > 1``) gets the same q.
+
 Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,6 +37,19 @@ def check_range(name: str, value: float, low: float, high: float = math.inf) -> 
 def check_clamp(q_min: float, q_max: float) -> None:
     check_range("q_min", q_min, 1e-6, 1.0)  # log q must exist, and q == 1 (no shaping) must be reachable
     check_range("q_max", q_max, 1.0)
+
+
+def noise_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """A generator seed that is a pure function of (seed, step, rank, micro): 63 bits of the BLAKE2b digest
+    of the four integers (a documented hash, unlike Python's hash(), so a seed means the same noise on any
+    interpreter)."""
+    digest = hashlib.blake2b(struct.pack("<4q", seed, step, rank, micro), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def noise_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """A CPU generator seeded by ``noise_seed``: the noise of one micro-batch."""
+    return torch.Generator().manual_seed(noise_seed(seed, step, rank, micro))
 
 
 def finalize(q: torch.Tensor, mask: torch.Tensor, q_min: float, q_max: float) -> torch.Tensor:
@@ -104,7 +125,7 @@ def branch_q(entropies: torch.Tensor, ratio: float, threshold: float) -> torch.T
 class NoGuide:
     """q == 1: the anchor is pi_ref itself (plain GRPO / forward-KL baselines)."""
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
         return torch.ones_like(logps)
 
     def params(self, step: int) -> dict[str, float]:
@@ -123,7 +144,6 @@ class RandomGuide:
     q_min: float = 0.6
     q_max: float = 1.4
     seed: int = 0
-    _generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("eps_start", "eps_end"):
@@ -131,7 +151,6 @@ class RandomGuide:
         for name in ("sigma_start", "sigma_end"):
             check_range(name, getattr(self, name), 0.0)
         check_clamp(self.q_min, self.q_max)
-        self._generator = torch.Generator().manual_seed(self.seed)
 
     def params(self, step: int) -> dict[str, float]:
         return {
@@ -139,9 +158,10 @@ class RandomGuide:
             "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
         }
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
         p = self.params(step)
-        return finalize(random_q(mask, p["eps"], p["sigma"], self._generator), mask, self.q_min, self.q_max)
+        noise = noise_generator(self.seed, step, rank, micro)
+        return finalize(random_q(mask, p["eps"], p["sigma"], noise), mask, self.q_min, self.q_max)
 
 
 @dataclass
@@ -159,7 +179,6 @@ class TokenGuide:
     q_min: float = 0.6
     q_max: float = 1.4
     seed: int = 0
-    _generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.source not in ("policy", "ref"):
@@ -167,7 +186,6 @@ class TokenGuide:
         for name in ("alpha_start", "alpha_end", "sigma_start", "sigma_end"):
             check_range(name, getattr(self, name), 0.0)
         check_clamp(self.q_min, self.q_max)
-        self._generator = torch.Generator().manual_seed(self.seed)
 
     def params(self, step: int) -> dict[str, float]:
         return {
@@ -175,14 +193,15 @@ class TokenGuide:
             "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
         }
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
         p = self.params(step)
         source = ref_logps if self.source == "ref" else logps
         if source is None:
             raise ValueError(
                 "guide.source='ref' needs a reference model; it is not loaded with divergence=none"
             )
-        q = token_q(source.detach(), mask, p["alpha"], p["sigma"], self.normalisation, self._generator)
+        noise = noise_generator(self.seed, step, rank, micro)
+        q = token_q(source.detach(), mask, p["alpha"], p["sigma"], self.normalisation, noise)
         return finalize(q, mask, self.q_min, self.q_max)
 
 
@@ -203,7 +222,7 @@ class BranchGuide:
     def params(self, step: int) -> dict[str, float]:
         return {"ratio": self.ratio, "threshold": self.threshold}
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int) -> torch.Tensor:
+    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
         return finalize(
             branch_q(entropies.detach(), self.ratio, self.threshold), mask, self.q_min, self.q_max
         )

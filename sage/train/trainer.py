@@ -8,9 +8,23 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   loss (tested to 1e-6 against TRL itself).
 - ``_get_per_token_logps_and_entropies``: keeps the log-probs and entropies of the loss pass, so guides
   and divergences reuse them: no extra forward pass.
-- ``_generate_and_score_completions`` (only with ``filter_zero_variance_groups``, DAPO): groups whose
-  rewards are all equal carry no policy gradient; their completions are masked out of the loss and of the
-  token count, as DAPO's dynamic-sampling filter drops them (without resampling replacements).
+- ``_calculate_rewards``: unchanged, but its (gathered) rewards are kept for the DAPO filter, as TRL's
+  ``_generate_and_score_completions`` returns advantages only.
+- ``_generate_and_score_completions``: records the optimiser step at which a training generation batch is
+  generated. With ``filter_zero_variance_groups`` (DAPO), groups whose rewards are all equal carry no
+  policy gradient; their completions are masked out of the loss and out of the token count
+  ``num_items_in_batch`` (recounted over ``completion_mask * tool_mask``, the mask the loss uses), as
+  DAPO's dynamic-sampling filter drops them (without resampling replacements). The groups are found from
+  the rewards, not the advantages: an equal-reward group's advantages need not be exactly 0 after scaling.
+- ``_prepare_inputs``: unchanged, but notes which micro-batch it hands out: (the step its generation
+  batch was generated at, its index in that batch). The guide gets this identity and the process rank,
+  so its noise is the same in a resumed and an uninterrupted run, differs across processes, and is the
+  same on each pass over a micro-batch (``num_iterations > 1``); the schedule's position is that step too,
+  so a micro-batch's q does not change between passes (except through the policy's own log-probs).
+- ``_load_optimizer_and_scheduler``: on resume, ``max_steps`` is the run's total length. TRL/transformers
+  restore the learning rate the checkpoint's own schedule had reached (0 at the end of a finished run
+  with a decaying schedule); we set it to the value the resumed schedule (over the new ``max_steps``) has
+  at the checkpoint's step, which is the same value when ``max_steps`` is unchanged.
 Generation, rewards, advantages, the reference model and checkpointing are TRL's.
 
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
@@ -24,7 +38,7 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from sage.objective.aggregation import aggregate, informative_groups
+from sage.objective.aggregation import aggregate, informative_groups, total_rewards
 from sage.objective.divergences import k3
 
 
@@ -32,16 +46,17 @@ def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
     """One line on how TRL's knobs shape a step: completions per forward pass (the memory-bound
     micro-batch), accumulation, completions and prompts per optimiser step, and the longest micro-batch
     in tokens. ``args`` is a GRPOConfig after its own __post_init__ (steps_per_generation resolved)."""
-    micro, accum, g = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
-    per_step = micro * accum * num_processes
-    longest = longest_prompt_tokens + args.max_completion_length
-    return (
-        f"batch: {micro} completions per forward pass x {accum} accumulation steps x {num_processes} "
-        f"processes = {per_step} completions ({per_step // g} prompts x {g} generations) per optimiser step; "
-        f"{args.generation_batch_size} completions generated at a time; longest micro-batch "
-        f"{micro} x ({longest_prompt_tokens} prompt + {args.max_completion_length} completion) = "
-        f"{micro * longest} tokens"
+    from sage.train.memory import Batch
+
+    batch = Batch(
+        micro=args.per_device_train_batch_size,
+        accumulation=args.gradient_accumulation_steps,
+        processes=num_processes,
+        num_generations=args.num_generations,
+        prompt_tokens=longest_prompt_tokens,
+        completion_tokens=args.max_completion_length,
     )
+    return f"{batch.describe()}; {args.generation_batch_size} completions generated at a time"
 
 
 class SageGRPOTrainer(GRPOTrainer):
@@ -57,6 +72,10 @@ class SageGRPOTrainer(GRPOTrainer):
         self.guide = guide
         self.filter_zero_variance_groups = filter_zero_variance_groups
         self._loss_pass: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rewards_per_func: torch.Tensor | None = None  # (N, F): last generation batch, every process
+        self._generated_at = 0  # optimiser step the buffered training generation batch was generated at
+        self._batch_id: tuple[int, int] | None = None  # (step, micro) of the micro-batch being trained on
+        self._eval_batch = (-1, -1)  # (step, index) of the last evaluation batch
         super().__init__(*args, **kwargs)
         if self.beta != divergence.beta:
             raise ValueError(f"GRPOConfig.beta={self.beta} differs from divergence.beta={divergence.beta}")
@@ -68,16 +87,57 @@ class SageGRPOTrainer(GRPOTrainer):
                 f"divergence.importance_weighted={divergence.importance_weighted}"
             )
 
+    def _calculate_rewards(self, *args, **kwargs):
+        self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
+        return self._rewards_per_func
+
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
+        training = self.model.training
+        if training:
+            self._generated_at = self.state.global_step
         if not self.filter_zero_variance_groups:
             return out
-        keep = informative_groups(out["advantages"], self.num_generations)  # (B,)
-        out["completion_mask"] = out["completion_mask"] * keep.unsqueeze(1).to(out["completion_mask"].dtype)
-        out["num_items_in_batch"] = self.accelerator.gather(out["completion_mask"].sum()).sum()
-        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if training else self.num_generations_eval
+        rewards = total_rewards(self._rewards_per_func, self.reward_weights)  # (N,) every process's
+        local = out["advantages"].size(0)
+        start = self.accelerator.process_index * local  # TRL's slice of this process's completions
+        mask = out["completion_mask"]
+        keep = informative_groups(rewards, group_size)[start : start + local].to(mask.device)
+        out["completion_mask"] = loss_mask = mask * keep.unsqueeze(1).to(mask.dtype)
+        if "tool_mask" in out:  # tool-result tokens are not the model's: the loss does not count them
+            loss_mask = loss_mask * out["tool_mask"]
+        out["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        mode = "train" if training else "eval"
         self._metrics[mode]["frac_groups_filtered"].append(1.0 - keep.float().mean().item())
         return out
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training:
+            # TRL hands out micro-batch (self._step % steps_per_generation) of the buffered generation batch
+            # (self._step counts micro-batches; TRL's training_step increments it after the loss).
+            self._batch_id = (self._generated_at, self._step % self.args.steps_per_generation)
+        else:  # evaluation generates per batch: its index within this step's evaluation, negative
+            step = self.state.global_step
+            index = self._eval_batch[1] + 1 if self._eval_batch[0] == step else 0
+            self._eval_batch = (step, index)
+            self._batch_id = (step, -1 - index)
+        return inputs
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not isinstance(self.lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
+            return
+        # The loaded state keeps the checkpoint's step and base rates; the lambdas stay this run's (LambdaLR
+        # restores only a callable object's __dict__, empty for transformers' partials): the schedule over
+        # the current max_steps.
+        sched = self.lr_scheduler
+        step = sched.last_epoch
+        rates = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, rate in zip(sched.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        sched._last_lr = rates  # what get_last_lr() reports (the logged learning_rate): LambdaLR's own field
 
     def _get_per_token_logps_and_entropies(self, *args, compute_entropy: bool = False, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)
@@ -99,11 +159,20 @@ class SageGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         ref_logps = inputs.get("ref_per_token_logps")  # (B, T); absent when divergence=none
-        step = self.state.global_step  # optimiser steps: the schedule must not run faster under accumulation
+        # The micro-batch's identity (see _prepare_inputs); a loss computed outside TRL's input pipeline is
+        # micro-batch 0 of the current step. Steps are optimiser steps: the schedule must not run faster
+        # under accumulation.
+        step, micro = self._batch_id or (self.state.global_step, 0)
         mode = "train" if self.model.training else "eval"
         with torch.no_grad():
             q = self.guide(
-                logps=logps.detach(), ref_logps=ref_logps, entropies=entropies, mask=mask, step=step
+                logps=logps.detach(),
+                ref_logps=ref_logps,
+                entropies=entropies,
+                mask=mask,
+                step=step,
+                rank=self.accelerator.process_index,
+                micro=micro,
             )
         self._log_guide(q, mask, step, mode)
         if beta == 0.0:
