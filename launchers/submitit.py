@@ -1,5 +1,5 @@
 """sage's submitit launchers (``hydra/launcher=local|slurm``, options in conf/hydra/launcher/): their schemas
-and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with three changes:
+and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with four changes:
 
 - A job that fails (exception, ``scancel``, SIGKILL, node failure) comes back as a FAILED ``JobReturn``
   instead of an exception that discards the other jobs' results: a grid still fails at the end (Hydra's
@@ -72,6 +72,18 @@ class _SageSubmitit:
         own = {k: params.pop(k) for k in self.OWN_KEYS}
         super().__init__(**params)  # type: ignore[call-arg]
         self.own = own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        """One task of a job. With several tasks (``hydra.launcher.tasks_per_node``, ``nodes``), each is one
+        process of a multi-process run: torch's distributed environment (rank, world size, rank 0's host
+        and a port) is exported from SLURM's before the job starts, as torchrun would set it. GPUs are not
+        re-mapped: with ``gpus_per_node`` every task sees the node's GPUs and takes the one of its local
+        rank (accelerate does)."""
+        import submitit
+
+        if submitit.JobEnvironment().num_tasks > 1:
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     def _job_params(self, job_overrides, initial_job_idx: int) -> list[tuple]:
         params = []

@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from sage import distributed
+
 log = logging.getLogger(__name__)
 
 # An absolute path: relative config paths resolve differently under a console script and `python -m`.
@@ -34,7 +36,7 @@ def content_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
+def build_once(final: Path, marker: str, build: Callable[[Path], None], collective: bool = False) -> Path:
     """``final`` built by ``build(tmp_folder)`` exactly once, however many processes ask at the same time.
 
     The jobs of a grid on a cold cache all ask at once: one builds while the others wait on a lock and
@@ -42,9 +44,14 @@ def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
     last; the folder appears by an atomic rename, complete or not at all, so a killed build leaves nothing
     half-written. (The lock is released when its holder dies; the rename still guards file systems where
     flock does not reach across hosts.)
+
+    ``collective``: ``build`` is a collective step of a multi-process run (the SFT stage trains on every
+    process and writes on the main one): see ``_build_collectively``.
     """
     if (final / marker).exists():
         return final
+    if collective and distributed.world_size() > 1:
+        return _build_collectively(final, marker, build)
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -63,4 +70,33 @@ def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
             log.info("a concurrent build of %s finished first; using it", final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build_collectively(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """``build_once`` for a build every process of a run takes part in. The main process holds the lock
+    (other jobs of a grid wait on it, as in ``build_once``) and decides whether to build; every process then
+    calls ``build`` on the same temporary folder (only the main one writes there), and the main one renames
+    it into place before the others go on."""
+    lock, tmp = None, None
+    if distributed.is_main():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(final.parent / f".{final.name}.lock", "w")  # noqa: SIM115 (held across the collective build)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / marker).exists():
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=final.parent)
+    tmp = distributed.broadcast(tmp)
+    try:
+        if tmp is not None:
+            build(Path(tmp))
+            if distributed.is_main():
+                if not (Path(tmp) / marker).exists():
+                    raise RuntimeError(f"the build of {final} did not write {marker}")
+                os.replace(tmp, final)
+    finally:
+        if lock is not None:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            lock.close()
+        distributed.barrier()
     return final

@@ -244,13 +244,13 @@ def test_paper_batch_shape_separates_micro_batch_from_the_step():
     values["bf16"] = False  # TRL refuses bf16 on this CPU; the batch arithmetic does not depend on it
     args = GRPOConfig(output_dir="/tmp/x", max_completion_length=cfg.model.max_completion_length, **values)
     line = describe_batch(args, num_processes=1, longest_prompt_tokens=300)
-    # 8 prompts x 8 rollouts per optimiser step (Table 8), 8 completions per forward pass
-    assert "8 completions per forward pass x 8 accumulation steps x 1 processes = 64 completions" in line
+    # 8 prompts x 8 rollouts per optimiser step (Table 8), generated at once, one completion per forward pass
+    assert "1 completions per forward pass x 64 accumulation steps x 1 processes = 64 completions" in line
     assert "(8 prompts x 8 generations)" in line and "64 completions generated at a time" in line
-    assert line.endswith("8 x (300 prompt + 2048 completion) = 18784 tokens")
-    # two processes: the same 64 completions per step need half the accumulation
-    args = GRPOConfig(output_dir="/tmp/x", **{**values, "gradient_accumulation_steps": 4})
-    assert "x 4 accumulation steps x 2 processes = 64 completions" in describe_batch(args, 2, 300)
+    assert "longest micro-batch 1 x (300 prompt + 2048 completion) = 2348 tokens" in line
+    # eight processes: the same 64 completions per step need an eighth of the accumulation
+    args = GRPOConfig(output_dir="/tmp/x", **{**values, "gradient_accumulation_steps": 8})
+    assert "x 8 accumulation steps x 8 processes = 64 completions" in describe_batch(args, 8, 300)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from sage import distributed
 from sage.data.verifiers import row_verifier
 from sage.metrics import pass_at_k_curve
 
@@ -41,6 +42,13 @@ class PeriodicEval(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every:
             return
+        if distributed.is_main():  # one evaluation per run, however many processes train
+            self._evaluate(args, state, control, model, processing_class)
+        # A callback's decision to stop (pruning) must reach every process: the others would otherwise wait
+        # in the next step's collective for a process that has stopped.
+        control.should_training_stop = distributed.broadcast(control.should_training_stop)
+
+    def _evaluate(self, args, state, control, model, processing_class) -> None:
         from sage.eval.sampling import sample_completions
 
         rng = torch.get_rng_state()
