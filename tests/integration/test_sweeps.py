@@ -361,3 +361,37 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_pa
     assert "Caught signal SIGUSR2" in submitit_log and "resume=auto: continuing from" in submitit_log
     (run,) = mlflow_runs(mlflow_server, "it-preempt")  # one run across both attempts
     assert run.info.status == "FINISHED" and run.data.tags["method"] == "grpo"
+
+
+@pytest.mark.integration
+def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server, tmp_path):
+    """hydra.launcher.tasks_per_node=2: the job's two SLURM tasks are the two processes of one run (torch's
+    distributed environment exported from SLURM's), which records once: one MLflow run, one final/."""
+    sweep_dir = tmp_path / "two-tasks"
+    shrink = [o for o in SHRINK if not o.startswith("trl.per_device_train_batch_size=")]
+    rc, log = finish(
+        driver(
+            slurm_cluster,
+            "hydra/launcher=slurm",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.cpus_per_task=1",
+            "seed=1",
+            f"hydra.sweep.dir={sweep_dir}",
+            f"tracking.uri={mlflow_server}",
+            "tracking.experiment=it-two-tasks",
+            "trl.per_device_train_batch_size=8",  # x 2 processes: the 16 completions of SHRINK's one process
+            *shrink,
+        ),
+        timeout=900,
+    )
+    assert rc == 0, log[-4000:]
+    (array,) = slurm_jobs(sweep_dir)
+    assert set(final_states(slurm_cluster, array).values()) == {"COMPLETED"}
+    task_logs = "".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.out"))
+    assert "8 completions per forward pass x 1 accumulation steps x 2 processes = 16 completions" in task_logs
+    (run,) = mlflow_runs(mlflow_server, "it-two-tasks")
+    assert run.info.status == "FINISHED"
+    out = sweep_dir / "0"
+    assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 2
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["trained/arith_heldout/pass@1"] <= 1
