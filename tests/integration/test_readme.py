@@ -122,9 +122,32 @@ def test_every_readme_command_runs(tmp_path, slurm_cluster, postgres_url):
         if tool == "make" and rest[:1] == ["run"]:
             overrides = shrink([f"output_dir={tmp_path / 'make_run'}"], SHRINK_TRAIN)
             run(["make", "run", "ARGS=" + shlex.join(overrides)], env, REPO)
-        elif tool in ("sage-train", "sage-eval") and any(k in command for k in COMPOSE_ONLY):
-            r = run([str(BIN / tool), *rest, "--cfg", "job"], env, tmp_path)
+        elif tool in ("sage-train", "sage-eval", "torchrun") and any(k in command for k in COMPOSE_ONLY):
+            if tool == "torchrun":  # the command after the launcher's own flags, in one process
+                tool, rest = (
+                    "sage-train",
+                    [a for a in rest if not a.startswith("--") and a not in ("-m",)][1:],
+                )
+            if "-m" in rest:  # a sweep: one of its jobs, launcher settings included
+                rest = one_point([a for a in rest if a != "-m"])
+                r = run([str(BIN / tool), *rest, "--cfg", "all"], env, tmp_path)
+                assert "launcher:" in r.stdout
+            else:
+                r = run([str(BIN / tool), *rest, "--cfg", "job"], env, tmp_path)
             assert "model:" in r.stdout
+        elif tool == "torchrun":
+            launcher = [a for a in rest if a.startswith("--")]
+            module_at = rest.index("-m")
+            overrides = shrink(rest[module_at + 2 :], SHRINK_TRAIN)
+            r = run(
+                [str(BIN / tool), "--standalone", *launcher, "-m", rest[module_at + 1], *overrides],
+                env,
+                tmp_path,
+            )
+            assert " x 2 processes = " in r.stdout, r.stdout[-2000:]
+        elif tool == "python" and rest[:2] == ["-m", "sage.train.memory"]:
+            r = run([sys.executable, *rest], env, tmp_path)
+            assert ", fits (" in r.stdout
         elif tool == "sage-train" and "-m" in rest:
             sweep = tmp_path / f"sweep{len(ran)}"
             shrink_to = {**SHRINK_TRAIN, "hydra.sweep.dir": str(sweep)}
