@@ -111,6 +111,7 @@ class Tracker:
         self.run_id = run_id
         self.resumed = resumed
         self._last_step = self._last_logged_step() if resumed else -1
+        self._eval_steps: dict[str, int] = {}  # label -> the step its evaluation was logged at
 
     def _last_logged_step(self) -> int:
         history = self.client.get_metric_history(self.run_id, "train/loss")
@@ -129,23 +130,24 @@ class Tracker:
     def log_training_step(self, logs: dict[str, Any], step: int) -> None:
         self.log_metrics({f"train/{k}": v for k, v in logs.items()}, step)
 
-    def log_eval(self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int | None) -> None:
-        """pass@k at the reported ks (mean and std over seeds) as metrics; the whole curve k = 1..n as a
-        series with step = k; as artifacts the correctness matrices of every seed (npz: arr_0, arr_1, ...
-        problems x samples) and the completions of the first seed (JSON, problems x samples, row-aligned
-        with arr_0), for the first ``n_problems`` problems (None: all)."""
+    def log_eval(
+        self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int | None, step: int = 0
+    ) -> None:
+        """pass@k at the reported ks (mean and std over seeds) as metrics at ``step``, the optimiser step of
+        the evaluated model (0 for a base model), so the evaluations of a run extended to more steps form a
+        history; the whole curve k = 1..n as a series with step = k; as artifacts the correctness matrices
+        of every seed (npz: arr_0, arr_1, ... problems x samples) and the completions of the first seed
+        (JSON, problems x samples, row-aligned with arr_0), for the first ``n_problems`` problems (None:
+        all). A point the run already holds (same key, step and value: a resumed run evaluating the same
+        model again) is not logged twice."""
         from sage.metrics import pass_at_k_curve
 
         prefix = f"eval/{label}/{dataset}"
-        self.client.log_batch(
-            self.run_id,
-            metrics=_metrics({f"{prefix}/{k}": v for k, v in result["summary"].items()}, step=0),
-        )
+        self._eval_steps[label] = step
+        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in result["summary"].items()}, step=step))
         curves = [pass_at_k_curve(c) for c in result["correct"]]
         mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
-        self.client.log_batch(
-            self.run_id, metrics=[_metric(f"{prefix}/pass_at_k_curve", v, k) for k, v in mean_curve.items()]
-        )
+        self._log_new([_metric(f"{prefix}/pass_at_k_curve", v, k) for k, v in mean_curve.items()])
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -161,15 +163,15 @@ class Tracker:
         self, label: str, dataset: str, values: dict[str, float], perplexities: list[float] | None
     ) -> None:
         """What the samples say (``sage.eval.analyses``): each value as ``eval/<label>/<dataset>/<name>``
-        (a NaN, nothing to measure, is not logged) and the per-sample perplexities under the base model as
-        the artifact ``eval/<label>/<label>_<dataset>_perplexity.json`` with their median as a metric."""
+        (a NaN, nothing to measure, is not logged) at the step of the label's ``log_eval`` (0 if none) and
+        the per-sample perplexities under the base model as the artifact
+        ``eval/<label>/<label>_<dataset>_perplexity.json`` with their median as a metric."""
         prefix = f"eval/{label}/{dataset}"
         values = dict(values)
         if perplexities:
             values["perplexity_median"] = float(np.median(perplexities))
-        self.client.log_batch(
-            self.run_id, metrics=_metrics({f"{prefix}/{k}": v for k, v in values.items()}, 0)
-        )
+        step = self._eval_steps.get(label, 0)
+        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in values.items()}, step))
         if perplexities is not None:
             import tempfile
 
@@ -177,6 +179,17 @@ class Tracker:
                 f = Path(tmp) / f"{label}_{dataset}_perplexity.json"
                 f.write_text(json.dumps(perplexities))
                 self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
+
+    def _log_new(self, metrics: list) -> None:
+        """Log the points the run does not hold yet (same key, step and value); only a resumed run can."""
+        if self.resumed:
+            held = {
+                key: {(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)}
+                for key in {m.key for m in metrics}
+            }
+            metrics = [m for m in metrics if (m.step, m.value) not in held[m.key]]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)

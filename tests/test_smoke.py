@@ -1,5 +1,6 @@
 """Smoke runs of the real entry point (`python -m sage.train`) on a shrunken testbed, in a tmp dir: the
-parameters change, metrics are logged, a checkpoint is written, and `resume=true` continues from it."""
+parameters change, metrics are logged, a checkpoint is written, and `resume=true` continues from it: with
+the schedule of the longer run, evaluations logged once, and exactly as an uninterrupted run would."""
 
 import json
 import os
@@ -45,7 +46,10 @@ def weights(path):
 
 def test_train_checkpoint_resume(tmp_path):
     out = tmp_path / "run"
-    r = sage_train(tmp_path, "trl.max_steps=2", f"output_dir={out}", "guide=branch", "guide.threshold=0.5")
+    linear = ["trl.lr_scheduler_type=linear", "trl.warmup_steps=0"]  # the learning rates are hand-computed
+    r = sage_train(
+        tmp_path, "trl.max_steps=2", f"output_dir={out}", "guide=branch", "guide.threshold=0.5", *linear
+    )
     # a table of base vs trained model is printed, and where the outputs are
     assert "| base | arith_heldout |" in r.stdout and "| trained | arith_heldout |" in r.stdout
     assert f"run outputs: {out}" in r.stdout
@@ -87,9 +91,14 @@ def test_train_checkpoint_resume(tmp_path):
         "resume=true",
         "guide=branch",
         "guide.threshold=0.5",
+        *linear,
     )
     log = json.loads((out / "train_log.json").read_text())
     assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]
+    # trl.max_steps is the total length: steps 3-4 follow a 4-step run's linear schedule, lr * (4 - i) / 4
+    # at step i + 1, after the 2-step run's lr * (2 - i) / 2 (not the finished schedule's 0)
+    rates = [e["learning_rate"] for e in log if "loss" in e]
+    assert rates == pytest.approx([1e-4, 1e-4 / 2, 1e-4 * 2 / 4, 1e-4 / 4], rel=1e-6)
     assert (out / "rl" / "checkpoint-4").is_dir()
     resumed = weights(out / "final")
     assert any(not torch.equal(resumed[k], final[k]) for k in final)
@@ -102,6 +111,7 @@ def test_train_checkpoint_resume(tmp_path):
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == saved
     log = json.loads((out / "train_log.json").read_text())
     assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]
+    check_evaluations_logged_once(out)  # its evaluation of the same models added nothing
 
 
 def check_mlflow_record(out):
@@ -136,8 +146,59 @@ def check_mlflow_record(out):
     )
     curve = client.get_metric_history(run_id, "eval/trained/arith_heldout/pass_at_k_curve")
     assert sorted({m.step for m in curve}) == [1, 2, 3, 4]
+    check_evaluations_logged_once(out)
+
+
+def check_evaluations_logged_once(out):
+    """Each evaluation is logged once, at the step of the model it evaluates: the base model at 0 (its
+    re-evaluation by the resumed run is not logged again), the trained model at 2 and, extended, at 4."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    run_id = (out / "mlflow_run_id").read_text()
+    run = client.get_run(run_id)
+    base_curve = client.get_metric_history(run_id, "eval/base/arith_heldout/pass_at_k_curve")
+    assert sorted(m.step for m in base_curve) == [1, 2, 3, 4]
+    evals = [k for k in run.data.metrics if k.startswith("eval/") and not k.endswith("pass_at_k_curve")]
+    assert "eval/base/arith_heldout/pass_at_1" in evals
+    for key in evals:
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert len(steps) == len(set(steps)), (key, steps)
+        if key.startswith("eval/base/"):
+            assert steps == [0], (key, steps)
+        if "/pass_at_" in key:
+            assert steps == ([0] if key.startswith("eval/base/") else [2, 4]), (key, steps)
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval/trained")}
     assert "eval/trained/trained_arith_heldout_correct.npz" in artifacts
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_with_the_random_guide(tmp_path):
+    """The random guide's noise is a function of the step, not of how many draws came before: a run stopped
+    at step 2 and resumed to 4 trains exactly as a run straight to 4. The learning rate and the guide's
+    hyperparameters are constant, so the 2-step run's steps are the 4-step run's."""
+    same = [
+        "guide=random",
+        "guide.eps_start=0.5",
+        "schedule=constant",
+        "trl.lr_scheduler_type=constant",
+        "trl.warmup_steps=0",
+        "eval.at_end=false",
+    ]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    sage_train(tmp_path, *same, "trl.max_steps=4", f"output_dir={straight}")
+    sage_train(tmp_path, *same, "trl.max_steps=2", f"output_dir={stopped}")
+    sage_train(tmp_path, *same, "trl.max_steps=4", f"output_dir={stopped}", "resume=true")
+
+    def steps(out):
+        log = json.loads((out / "train_log.json").read_text())
+        return [{k: v for k, v in e.items() if k != "step_time"} for e in log if "loss" in e]
+
+    a, b = steps(straight), steps(stopped)
+    assert [e["step"] for e in a] == [e["step"] for e in b] == [1, 2, 3, 4]
+    assert all(e["guide/active_frac"] > 0 for e in a)  # the guide shaped every step
+    assert a == b  # every logged figure of every step, exactly
+    final_a, final_b = weights(straight / "final"), weights(stopped / "final")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
 def test_parameters_change_from_the_base_model(tmp_path):

@@ -317,8 +317,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
                     metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
-                    if tracker is not None:
-                        tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+                    if tracker is not None:  # at the evaluated model's step (final/ records it; base: 0)
+                        step = max(final_step(Path(path)), 0)
+                        ks, shown = list(cfg.eval.ks), cfg.tracking.completions_sample
+                        tracker.log_eval(label, ds, r, ks, shown, step=step)
                 if tracker is not None:  # what the samples say, under the start model (the reference)
                     log_analyses(
                         tracker,
