@@ -20,6 +20,60 @@ log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+def check_output_dir(path: str | os.PathLike[str], key: str = "output_dir") -> None:
+    """A folder a run can write into: an existing folder, or one that can be created, whose nearest
+    existing ancestor is a folder that takes a new file (tried, not inferred from permission bits, which a
+    root user or a read-only mount make misleading). A one-line ConfigError naming ``key`` otherwise;
+    nothing is left behind either way."""
+    from sage.config import ConfigError  # deferred: sage.config is imported after this module's users
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{key}={path} is a file; give a folder (new or existing)")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={path} cannot be created: {existing} is a file")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sage-write-probe-", dir=existing)
+    except OSError as e:
+        raise ConfigError(f"{key}={path} is not writable: {existing}: {e.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def hydra_run_dir(output_dir: str | None, default: str) -> str:
+    """``hydra.run.dir`` of sage-train: ``output_dir`` when one is given (Hydra's run files, .hydra/ and
+    the log, go inside it instead of a new ``outputs/<date>/<time>`` in the current folder), else
+    ``default``. Hydra creates this folder before the task function runs, so an unusable ``output_dir`` is
+    reported here, as the one line and exit code 2 of every config error, before Hydra's own traceback."""
+    if output_dir is None:
+        return default
+    from sage.config import ConfigError
+
+    try:
+        check_output_dir(output_dir)
+    except ConfigError as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return str(output_dir)
+
+
+def register_resolvers() -> None:
+    """``${sage.run_dir:...}`` for the config tree (conf/train.yaml's hydra.run.dir)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("sage.run_dir"):
+        OmegaConf.register_new_resolver("sage.run_dir", hydra_run_dir)
+
+
+# Every entry point and test that composes conf/ imports this module (CONF_DIR) before Hydra resolves it.
+register_resolvers()
+
+
 def cache_dir() -> Path:
     """Root of everything built once per machine (testbed models, shared base evaluations)."""
     return Path(os.environ.get("SAGE_CACHE_DIR") or Path.home() / ".cache" / "sage")

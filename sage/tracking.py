@@ -295,17 +295,21 @@ def _run_in_store(client, id_file: Path):
 
 
 @contextmanager
-def start_run(cfg: DictConfig, out: Path, kind: str, resume: bool = True) -> Iterator[Tracker | None]:
+def start_run(
+    cfg: DictConfig, out: Path, kind: str, resume: bool = True, key: str | None = None
+) -> Iterator[Tracker | None]:
     """Open (or, with ``resume``, re-open) the MLflow run of ``out``; ``kind`` is train or eval. Without
     ``resume`` a run an earlier attempt left in ``out`` is closed as FAILED and a new one starts, so two
-    attempts never merge into one run. Yields None when ``tracking.enabled=false``. The run ends FINISHED,
-    KILLED on Ctrl-C, FAILED on any other exception."""
+    attempts never merge into one run. ``key`` (sage-eval: a hash of the settings its numbers depend on)
+    gives ``out`` one run per key, recorded in ``mlflow_run_id.<key>`` and tagged ``sage.settings_key``.
+    Yields None when ``tracking.enabled=false``. The run ends FINISHED, KILLED on Ctrl-C, FAILED on any
+    other exception."""
     if not cfg.tracking.enabled:
         yield None
         return
     uri = resolve_uri(cfg.tracking.uri)
     client, exp_id = open_store(uri, cfg.tracking.experiment)
-    id_file = out / RUN_ID_FILE
+    id_file = out / (RUN_ID_FILE if key is None else f"{RUN_ID_FILE}.{key}")
     earlier = _run_in_store(client, id_file)
     resumed = earlier is not None and resume
     if earlier is not None and not resume:
@@ -338,6 +342,8 @@ def start_run(cfg: DictConfig, out: Path, kind: str, resume: bool = True) -> Ite
         }
         if cfg.get("method"):
             tags["method"] = str(cfg.method)
+        if key is not None:
+            tags["sage.settings_key"] = key
         tags = {k: redact(v) for k, v in tags.items()}
         run = client.create_run(exp_id, run_name=cfg.tracking.run_name, tags=tags)
         run_id = run.info.run_id

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,10 +56,13 @@ class FakeSampler:
         self.opened = 0  # how many times a sampler (a model) was loaded
         self.closed = 0  # ... and shut down
 
-    def sample(self, prompt_ids, s):
+    def sample(self, prompt_ids, s, progress=None):
         self.calls.append(s.seed)
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise KeyboardInterrupt  # the evaluation is killed here
+        for _ in prompt_ids:  # one problem at a time, as a sampler's batches finish
+            if progress is not None:
+                progress(s.n_samples)
         out = [
             [
                 f"<SOLUTION>{'RIGHT' if (i + j + s.seed) % 3 == 0 else 'wrong'}</SOLUTION>"
@@ -209,6 +213,65 @@ def test_results_json_holds_full_curves_and_settings(checkpoint, sampler, tmp_pa
     assert a["settings"]["seeds"] == [0, 1] and a["n_problems"] == 3
 
 
+class RecordedBar:
+    """Stands in for tqdm in sage.eval.evaluate: what each dataset's bar was told."""
+
+    bars: list[RecordedBar] = []
+
+    def __init__(self, total, desc, **kwargs):
+        self.total, self.desc, self.updates = total, desc, []
+        RecordedBar.bars.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def update(self, n):
+        self.updates.append(n)
+
+
+def test_every_dataset_shows_its_progress_as_it_samples(checkpoint, sampler, tmp_path, monkeypatch):
+    monkeypatch.setattr(ev, "tqdm", RecordedBar)
+    RecordedBar.bars = []
+    run(checkpoint, tmp_path)
+    # 3 and 2 problems x 4 samples x 2 seeds, counted problem by problem as the sampler finishes them
+    assert [(b.desc, b.total, b.updates) for b in RecordedBar.bars] == [
+        ("eval a", 24, [4] * 6),
+        ("eval b", 16, [4] * 4),
+    ]
+    RecordedBar.bars = []
+    run(checkpoint, tmp_path)  # every cell reused: each counts as done at once
+    assert [(b.total, b.updates) for b in RecordedBar.bars] == [(24, [12, 12]), (16, [8, 8])]
+
+
+def test_the_hf_sampler_reports_each_finished_batch_without_changing_its_samples():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=23,  # the testbed tokenizer's
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    sampler = sampling.HFSampler(Qwen2ForCausalLM(config).eval(), build_tokenizer(), batch_size=3)
+    s = sampling.SamplingSettings(
+        n_samples=4, temperature=1.0, top_p=1.0, max_new_tokens=5, chat=False, seed=0
+    )
+    done: list[int] = []
+    reported = sampler.sample([[5, 6, 7], [8, 9]], s, progress=done.append)
+    assert done == [3, 3, 2]  # 8 sequences in batches of at most 3
+    assert sampler.sample([[5, 6, 7], [8, 9]], s).completions == reported.completions
+
+
 def test_each_row_is_graded_by_its_verifier(checkpoint, sampler, tmp_path):
     gold = "(1) Zoey is a knave\n(2) Oliver is a knight"
     rows = {"kk": [{"id": "kk0", "problem": "who?", "answer": gold, "verifier": "knights_knaves"}]}
@@ -228,6 +291,15 @@ def test_an_unknown_verifier_is_refused_before_any_sampling():
     }
     with pytest.raises(
         ev.ConfigError, match=r"^eval\.datasets\.mine: row 'r7': verifier 'code' is not one of"
+    ):
+        ev.load_eval_rows(OmegaConf.create(datasets), limit=None)
+
+
+def test_a_dataset_with_no_rows_is_refused_before_any_sampling():
+    """Zero rows used to pass here and fail in the pass@k estimator, after a whole training run."""
+    datasets = {"none_left": {"_target_": "sage.testbed.task.heldout_rows", "n": 0}}
+    with pytest.raises(
+        ev.ConfigError, match=r"^eval\.datasets\.none_left: sage\.testbed\.task\.heldout_rows gave no rows"
     ):
         ev.load_eval_rows(OmegaConf.create(datasets), limit=None)
 
@@ -399,12 +471,61 @@ def test_sage_eval_gives_the_trainers_numbers(tmp_path):
     # sage-eval is an MLflow run too; running it again continues that run and logs nothing twice
     from mlflow.tracking import MlflowClient
 
-    sage_eval(f"checkpoint={out / 'final'}", *SHRINK, f"output_dir={tmp_path / 'again'}")
+    again = sage_eval(f"checkpoint={out / 'final'}", *SHRINK, f"output_dir={tmp_path / 'again'}")
+    assert mlflow_run_of(again) == mlflow_run_of(r)
     client = MlflowClient()
-    run = client.get_run((tmp_path / "again" / "mlflow_run_id").read_text())
+    run = client.get_run(mlflow_run_of(again))
     assert run.data.tags["sage.kind"] == "eval" and run.info.status == "FINISHED"
     assert run.data.metrics["eval/final/arith_heldout/pass_at_1"] == pytest.approx(summary["pass@1"])
     assert len(client.get_metric_history(run.info.run_id, "eval/final/arith_heldout/pass_at_1")) == 1
+
+
+def mlflow_run_of(r: subprocess.CompletedProcess) -> str:
+    """The MLflow run a sage-eval call names on its last line."""
+    (run_id,) = re.findall(r"^MLflow run: (\w+)$", r.stdout, flags=re.MULTILINE)
+    return run_id
+
+
+@pytest.mark.slow
+def test_sage_eval_with_other_settings_is_another_mlflow_run(tmp_path):
+    """Issue 14: one MLflow run per results folder kept the numbers of the first settings it saw. A run is
+    now one (folder, settings): each run's metrics are its own call's results.json, and the same call again
+    continues its run without logging anything twice."""
+    from mlflow.tracking import MlflowClient
+
+    from sage.tracking import metric_key
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    results = tmp_path / "res"
+    prefix = "eval/base/arith_heldout/"
+
+    def call(n_samples: int) -> tuple[str, dict]:
+        r = sage_eval(
+            f"eval.n_samples={n_samples}", "eval.limit=3", f"output_dir={results}", f"tracking.uri={store}"
+        )
+        summary = json.loads((results / "results.json").read_text())["datasets"]["arith_heldout"]["summary"]
+        return mlflow_run_of(r), summary
+
+    def logged(run_id: str) -> dict[str, float]:
+        metrics = MlflowClient(store).get_run(run_id).data.metrics
+        return {k: v for k, v in metrics.items() if re.fullmatch(rf"{prefix}pass_at_\d+(_std)?", k)}
+
+    two, summary_two = call(2)
+    four, summary_four = call(4)
+    assert two != four
+    assert summary_two != summary_four  # pass@2 vs pass@4: the stale run would show the wrong ks
+    for run_id, summary in ((two, summary_two), (four, summary_four)):
+        assert logged(run_id) == {metric_key(prefix + k): v for k, v in summary.items()}
+
+    again, summary_again = call(2)
+    assert again == two and summary_again == summary_two
+    client = MlflowClient(store)
+    assert len(client.get_metric_history(two, metric_key(prefix + "pass@1"))) == 1
+    runs = client.search_runs(
+        [client.get_experiment_by_name("sage").experiment_id], f"tags.output_dir = '{results}'"
+    )
+    assert sorted(r.info.run_id for r in runs) == sorted([two, four])
+    assert {r.info.status for r in runs} == {"FINISHED"}
 
 
 @pytest.mark.slow

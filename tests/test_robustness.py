@@ -1,20 +1,30 @@
-"""What a kill, a rerun or a dead tracking server must not do (issue 14): a checkpoint cut short by a kill
-is set aside, never resumed from; a rerun that finds no checkpoint starts a new MLflow run instead of
-merging into the killed one; an unreachable or corrupt store fails in seconds with one line, before any
-model is built."""
+"""What a kill, a rerun, a dead tracking server or a bad value or file must not do (issue 14): a checkpoint
+cut short by a kill is set aside, never resumed from; a rerun that finds no checkpoint starts a new MLflow
+run instead of merging into the killed one; an unreachable or corrupt store, a bad schedule, an unusable
+output_dir, a damaged checkpoint folder and a bad data file each fail with one line (exit code 2) before
+any model is built or anything of the run is written; a base-only run just runs. And what a run must not
+print: a dict of every metric per step, repeated warnings, Hydra folders in the current folder."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
+import torch
 from omegaconf import OmegaConf
 from transformers.trainer_utils import get_last_checkpoint
 
-from sage.tracking import RUN_ID_FILE, start_run
+from sage.config import ConfigError
+from sage.eval.checkpoint import check_checkpoint_folder
+from sage.tracking import RUN_ID_FILE, open_store, start_run
 from sage.train.main import set_aside_incomplete_checkpoints
 
 
@@ -65,14 +75,42 @@ def test_a_rerun_without_a_checkpoint_starts_a_new_run(tmp_path):
         assert tracker.run_id == second
 
 
-def sage_train(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def sage_train(*overrides: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    return entry_point("sage.train", *overrides, env=env, **kw)
+
+
+def sage_eval(*overrides: str, **kw) -> subprocess.CompletedProcess:
+    return entry_point("sage.eval", *overrides, **kw)
+
+
+def entry_point(
+    module: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: int = 300,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sage.train", *overrides],
+        [sys.executable, "-m", module, *overrides],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+        cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """The whole stderr of a refused command: exit code 2 and exactly one line, returned."""
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr[-3000:]
+    return lines[0]
+
+
+def only_hydra_files(run_dir: Path) -> bool:
+    """Nothing of the run itself: at most the run files Hydra writes into output_dir before the task."""
+    return not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "main.log"}
 
 
 def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_path):
@@ -82,7 +120,7 @@ def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_p
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert lines[-1].startswith("error: tracking.uri=http://127.0.0.1:9: the MLflow store cannot be opened")
-    assert elapsed < 120 and not (tmp_path / "a").exists()  # nothing built, nothing written
+    assert elapsed < 120 and only_hydra_files(tmp_path / "a")  # nothing built, nothing written
 
     corrupt = tmp_path / "mlflow.db"
     corrupt.write_bytes(b"this is not a database" * 100)
@@ -90,7 +128,7 @@ def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_p
     assert r.returncode == 2
     last = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-1]
     assert last.startswith(f"error: tracking.uri=sqlite:///{corrupt}: the MLflow store cannot be opened")
-    assert not (tmp_path / "b").exists()
+    assert only_hydra_files(tmp_path / "b")
 
 
 def test_a_folder_naming_a_run_of_another_store_starts_a_new_run(tmp_path):
@@ -102,3 +140,241 @@ def test_a_folder_naming_a_run_of_another_store_starts_a_new_run(tmp_path):
     with start_run(cfg(f"sqlite:///{tmp_path / 'b.db'}"), out, kind="eval") as tracker:
         in_b = tracker.run_id
     assert in_b != in_a and (out / RUN_ID_FILE).read_text() == in_b
+
+
+# ------------------------------------------------------------------ item 8: one line, not a traceback
+def test_schedule_cycles_0_is_one_line_before_anything_runs(tmp_path):
+    r = sage_train(
+        "guide=token", "schedule.cycles=0", f"output_dir={tmp_path / 'a'}", "tracking.enabled=false"
+    )
+    assert one_line_error(r) == "error: schedule: schedule.cycles must be >= 1 (got 0)"
+    assert only_hydra_files(tmp_path / "a")
+
+
+@pytest.mark.slow
+def test_a_base_only_run_under_the_cosine_schedule_evaluates_the_start_model(tmp_path):
+    """max_steps=0 trains nothing, so the default cosine schedule has nothing to refuse."""
+    out = tmp_path / "base"
+    r = sage_train(
+        "guide=token",
+        "trl.max_steps=0",
+        "eval.n_samples=2",
+        "eval.limit=2",
+        f"output_dir={out}",
+        "tracking.enabled=false",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| base | arith_heldout |" in r.stdout
+    assert set(json.loads((out / "metrics.json").read_text())) >= {"base/arith_heldout/pass@1"}
+    assert not (out / "rl").exists() and not (out / "final").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be created in, even by root (immutable attribute), else by permissions."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    else:
+        folder.chmod(0o555)
+        made = True
+    try:
+        (folder / "probe").touch()
+    except OSError:
+        pass
+    else:
+        made = False
+        (folder / "probe").unlink()
+    if not made:
+        pytest.skip("this machine cannot make a read-only folder")
+    yield folder
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("command", [sage_train, sage_eval])
+def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(command, tmp_path, read_only_dir):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    r = command(f"output_dir={a_file}", "tracking.enabled=false")
+    assert one_line_error(r) == f"error: output_dir={a_file} is a file; give a folder (new or existing)"
+    assert a_file.read_text() == "kept"
+
+    r = command(f"output_dir={a_file / 'run'}", "tracking.enabled=false")
+    assert one_line_error(r) == f"error: output_dir={a_file / 'run'} cannot be created: {a_file} is a file"
+
+    for target in (read_only_dir, read_only_dir / "run"):
+        r = command(f"output_dir={target}", "tracking.enabled=false")
+        assert one_line_error(r).startswith(f"error: output_dir={target} is not writable: {read_only_dir}: ")
+    assert list(read_only_dir.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def testbed_model() -> Path:
+    from sage.testbed.model import build_tiny_model
+
+    return Path(build_tiny_model())
+
+
+def corrupt(case: str, testbed: Path, folder: Path) -> str:
+    """A copy of the testbed model with one kind of damage; returns what the error must name."""
+    if case == "empty":
+        folder.mkdir()
+        return "holds neither config.json nor adapter_config.json"
+    shutil.copytree(testbed, folder)
+    if case == "config":
+        (folder / "config.json").write_text('{"model_type": "qwen2", ')  # a copy cut short
+        return "config.json is not readable JSON"
+    if case == "weights":
+        with open(folder / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+        return "weight file model.safetensors is not a readable safetensors file"
+    if case == "no_weights":
+        (folder / "model.safetensors").unlink()
+        return "holds no weights"
+    if case == "tokenizer":
+        (folder / "tokenizer.json").unlink()
+        return "holds no tokenizer vocabulary"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["empty", "config", "weights", "no_weights", "tokenizer"])
+def test_a_damaged_checkpoint_folder_is_named(case, tmp_path, testbed_model):
+    folder = tmp_path / "ckpt"
+    expected = corrupt(case, testbed_model, folder)
+    with pytest.raises(ConfigError) as error:
+        check_checkpoint_folder(str(folder))
+    assert str(error.value).startswith(f"checkpoint={folder}") and expected in str(error.value)
+
+
+def test_sound_checkpoint_folders_pass(tmp_path, testbed_model):
+    from safetensors.torch import save_file
+
+    check_checkpoint_folder(str(testbed_model))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(testbed_model)}))
+    save_file({"lora_A": torch.zeros(2, 2)}, adapter / "adapter_model.safetensors")
+    check_checkpoint_folder(str(adapter))  # its tokenizer is its base's
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "gone")})
+    )
+    with pytest.raises(ConfigError, match="the adapter's base: checkpoint=.*gone is not a folder"):
+        check_checkpoint_folder(str(adapter))
+
+
+@pytest.mark.parametrize("case", ["empty", "weights"])
+def test_sage_eval_of_a_damaged_checkpoint_is_one_line_and_creates_nothing(case, tmp_path, testbed_model):
+    """Issue 14: an empty folder gave 'install sentencepiece or tiktoken' after creating <dir>/eval and a
+    FAILED MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path / "ckpt"
+    expected = corrupt(case, testbed_model, folder)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _, experiment = open_store(store, "sage")  # an existing store: its creation logs nothing on stderr
+    r = sage_eval(f"checkpoint={folder}", f"tracking.uri={store}", "eval.n_samples=2", "eval.limit=2")
+    line = one_line_error(r)
+    assert line.startswith(f"error: checkpoint={folder}") and expected in line
+    assert not (folder / "eval").exists()
+    assert MlflowClient(store).search_runs([experiment], run_view_type=3) == []  # 3: active and deleted
+
+
+def bad_data(tmp_path: Path) -> tuple[Path, Path]:
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"prompt": "1+1", "solution": "2"}\n\n{"prompt": "2+2", "solution": \n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    return malformed, empty
+
+
+@pytest.mark.parametrize("kind", ["malformed", "empty"])
+def test_a_bad_training_data_file_is_one_line_naming_file_and_line(kind, tmp_path):
+    malformed, empty = bad_data(tmp_path)
+    source = malformed if kind == "malformed" else empty
+    r = sage_train(
+        "data=dapo_math_17k",
+        f"data.source={source}",
+        f"output_dir={tmp_path / 'a'}",
+        "tracking.enabled=false",
+    )
+    expected = {
+        "malformed": f"{malformed}: line 3: invalid JSON (Expecting value)",
+        "empty": f"data source '{empty}' holds no rows",
+    }[kind]
+    assert one_line_error(r) == f"error: sage.data.datasets.math_prompts: {expected}"
+    assert only_hydra_files(tmp_path / "a")
+
+
+def test_an_empty_benchmark_file_is_one_line_before_training(tmp_path):
+    """It used to give zero rows, found only by the evaluation after training had finished."""
+    _, empty = bad_data(tmp_path)
+    r = sage_train(
+        "eval=aime24",
+        f"eval.datasets.aime24.source={empty}",
+        f"output_dir={tmp_path / 'a'}",
+        "tracking.enabled=false",
+    )
+    assert one_line_error(r) == f"error: sage.data.benchmarks.load_benchmark: {empty}: holds no rows"
+    assert only_hydra_files(tmp_path / "a")
+
+
+# ---------------------------------------------------------------------------------------- item 9: noise
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """One short sage-train run from a folder of its own, with output_dir given."""
+    root = tmp_path_factory.mktemp("short_run")
+    cwd = root / "cwd"
+    cwd.mkdir()
+    out = root / "run"
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    open_store(store, "sage")  # an existing store: its creation logs nothing on stderr
+    r = sage_train(
+        "trl.max_steps=2",
+        "trl.per_device_train_batch_size=16",
+        "trl.num_generations=4",
+        "eval.n_samples=4",
+        "eval.limit=5",
+        f"output_dir={out}",
+        f"tracking.uri={store}",
+        cwd=cwd,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r, cwd, out, store
+
+
+@pytest.mark.slow
+def test_hydra_writes_its_run_files_inside_output_dir(short_run):
+    _, cwd, out, _ = short_run
+    assert list(cwd.iterdir()) == []  # no outputs/<date>/<time>/ in the current folder
+    assert (out / ".hydra" / "overrides.yaml").is_file() and (out / "main.log").is_file()
+
+
+@pytest.mark.slow
+def test_each_step_prints_one_short_line_and_mlflow_keeps_every_metric(short_run):
+    from mlflow.tracking import MlflowClient
+
+    r, _, out, store = short_run
+    assert "{'loss'" not in r.stdout  # transformers' dict of every metric (about 900 characters a step)
+    steps = re.findall(r"^step (\d+)/2: loss .*$", r.stdout, flags=re.MULTILINE)
+    assert steps == ["1", "2"], r.stdout
+    assert all(len(line) < 120 for line in r.stdout.splitlines() if line.startswith("step "))
+    client = MlflowClient(store)
+    run_id = (out / RUN_ID_FILE).read_text()
+    logged = client.get_run(run_id).data.metrics
+    for key in ("loss", "reward", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length"):
+        assert [m.step for m in client.get_metric_history(run_id, f"train/{key}")] == [1, 2], key
+    assert len([k for k in logged if k.startswith("train/")]) >= 25
+
+
+@pytest.mark.slow
+def test_no_warning_is_repeated_and_the_evaluation_shows_progress(short_run):
+    r, *_ = short_run
+    stderr = r.stderr.replace("\r", "\n")
+    warnings = collections.Counter(re.findall(r"(\w+Warning): (.*)", stderr))
+    assert not [w for w, n in warnings.items() if n > 1], warnings
+    assert not [w for w, _ in warnings if w == "FutureWarning"], warnings
+    assert re.search(r"eval arith_heldout: 100%.* 20/20", stderr)  # 5 problems x 4 samples, a bar each

@@ -242,6 +242,8 @@ def load_benchmark(
         raise ValueError(f"no source given for benchmark {name!r}")
     loaded = [_read_source(s, subset, split) for s in sources]
     for label, rows in loaded:
+        if not rows:
+            raise ValueError(f"{label}: holds no rows")
         _check_rows(label, rows, spec.required)
 
     out: list[Row] = []

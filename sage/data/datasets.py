@@ -4,6 +4,7 @@ line naming the source, row and field when a row lacks a field."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -20,19 +21,55 @@ from sage.data.prompts import (
 
 
 def load_rows(source: str, split: str) -> Dataset:
-    """A local .jsonl/.json/.parquet/.csv file or a hub dataset id."""
+    """A local .jsonl/.json/.parquet/.csv file or a hub dataset id; a source with no rows is an error."""
     path = Path(source)
     if path.suffix in {".jsonl", ".json", ".parquet", ".csv"}:
         if not path.exists():
             raise FileNotFoundError(f"data source {source!r} does not exist")
-        kind = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[path.suffix[1:]]
-        return load_dataset(kind, data_files=str(path), split="train")
-    try:
-        return load_dataset(source, split=split)
-    except Exception as e:  # offline, unknown id, private: all mean "cannot load this source"
-        raise RuntimeError(
-            f"data source {source!r} (split {split!r}) could not be loaded: {type(e).__name__}: {e}"
-        ) from e
+        if path.suffix in {".jsonl", ".json"}:
+            ds = Dataset.from_list(read_json_rows(path))
+        else:
+            ds = load_dataset(path.suffix[1:], data_files=str(path), split="train")
+    else:
+        try:
+            ds = load_dataset(source, split=split)
+        except Exception as e:  # offline, unknown id, private: all mean "cannot load this source"
+            raise RuntimeError(
+                f"data source {source!r} (split {split!r}) could not be loaded: {type(e).__name__}: {e}"
+            ) from e
+    if len(ds) == 0:
+        raise ValueError(f"data source {source!r} holds no rows")
+    return ds
+
+
+def read_json_rows(path: Path) -> list[dict]:
+    """The rows of a JSON lines file (one object per non-blank line) or a JSON list of objects, read here
+    rather than by ``datasets``' JSON builder so that a malformed row is one line naming the file and line
+    number (that builder reports neither) and nothing is cached for a file that fails."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of rows, got {type(rows).__name__}")
+        numbered = list(enumerate(rows, start=1))
+        where = "row"
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {number}: invalid JSON ({e.msg})") from None
+        where = "line"
+    for number, row in numbered:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: {where} {number}: expected a JSON object, got {type(row).__name__}")
+    return [row for _, row in numbered]
 
 
 def require_fields(ds: Dataset, fields: list[str], source: str) -> None:

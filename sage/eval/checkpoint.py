@@ -6,12 +6,27 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from sage.config import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# A tokenizer folder holds tokenizer_config.json and the vocabulary in one of these forms.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+WHAT_A_CHECKPOINT_HOLDS = (
+    "a model folder holds config.json, its weights (model.safetensors) and its tokenizer "
+    "(tokenizer_config.json, tokenizer.json); a LoRA adapter folder holds adapter_config.json and "
+    "adapter_model.safetensors"
+)
 
 
 @dataclass(frozen=True)
@@ -70,3 +85,105 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
+
+
+def check_checkpoint_folder(path: str) -> None:
+    """A checkpoint folder a sampler can load: the config, weights and tokenizer files it needs exist, are
+    not empty and parse (JSON files; a safetensors file's header), and a LoRA adapter's local base is such a
+    folder too. Checked before any results folder or MLflow run is made, so an empty, half-copied or
+    corrupt folder is one line naming the file instead of a loader's traceback about something else."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"checkpoint={path} is not a folder; for a hub model leave checkpoint unset")
+    if (folder / ADAPTER_CONFIG).exists():
+        adapter = _json_file(path, folder / ADAPTER_CONFIG)
+        _weights(path, folder, ADAPTER_WEIGHT_FILES)
+        base = adapter.get("base_model_name_or_path")
+        if not base:
+            raise ConfigError(f"checkpoint={path}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+        local_base = Path(base).is_absolute() or Path(base).exists()
+        if local_base:
+            try:
+                check_checkpoint_folder(base)
+            except ConfigError as e:
+                raise ConfigError(f"checkpoint={path}: the adapter's base: {e}") from None
+        if (folder / "tokenizer_config.json").exists():  # else the base's tokenizer (Checkpoint.resolve)
+            _tokenizer(path, folder)
+        return
+    if not (folder / "config.json").exists():
+        raise ConfigError(
+            f"checkpoint={path} holds neither config.json nor {ADAPTER_CONFIG}: {WHAT_A_CHECKPOINT_HOLDS}"
+        )
+    _json_file(path, folder / "config.json")
+    _weights(path, folder, WEIGHT_FILES)
+    _tokenizer(path, folder)
+
+
+def _json_file(checkpoint: str, file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise ConfigError(f"checkpoint={checkpoint}: {file.name} is not readable JSON ({reason})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"checkpoint={checkpoint}: {file.name} is not a JSON object")
+    return data
+
+
+def _weights(checkpoint: str, folder: Path, names: tuple[str, ...]) -> None:
+    found = [folder / n for n in names if (folder / n).exists()]
+    if not found:
+        raise ConfigError(
+            f"checkpoint={checkpoint} holds no weights (none of {', '.join(names)}): "
+            f"{WHAT_A_CHECKPOINT_HOLDS}"
+        )
+    for file in found:
+        if file.name.endswith(".index.json"):
+            shards = set(_json_file(checkpoint, file).get("weight_map", {}).values())
+            for shard in sorted(shards):
+                _weight_file(checkpoint, folder / shard)
+        else:
+            _weight_file(checkpoint, file)
+
+
+def _weight_file(checkpoint: str, file: Path) -> None:
+    if not file.is_file():
+        raise ConfigError(f"checkpoint={checkpoint}: weight file {file.name} is missing")
+    size = file.stat().st_size
+    if size == 0:
+        raise ConfigError(f"checkpoint={checkpoint}: weight file {file.name} is empty")
+    if file.suffix != ".safetensors":
+        return
+    # A safetensors file starts with an 8-byte little-endian header length and that many bytes of JSON:
+    # reading them catches a truncated or foreign file without loading any tensor.
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        ok = 0 < length <= size - 8
+        if ok:
+            try:
+                ok = isinstance(json.loads(f.read(length)), dict)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                ok = False
+    if not ok:
+        raise ConfigError(
+            f"checkpoint={checkpoint}: weight file {file.name} is not a readable safetensors file"
+        )
+
+
+def _tokenizer(checkpoint: str, folder: Path) -> None:
+    if not (folder / "tokenizer_config.json").exists():
+        raise ConfigError(
+            f"checkpoint={checkpoint} holds no tokenizer_config.json: {WHAT_A_CHECKPOINT_HOLDS}"
+        )
+    _json_file(checkpoint, folder / "tokenizer_config.json")
+    vocab = [folder / n for n in VOCAB_FILES if (folder / n).exists()]
+    if not vocab:
+        raise ConfigError(
+            f"checkpoint={checkpoint} holds no tokenizer vocabulary (none of {', '.join(VOCAB_FILES)})"
+        )
+    for file in vocab:
+        if file.stat().st_size == 0:
+            raise ConfigError(f"checkpoint={checkpoint}: tokenizer file {file.name} is empty")
+    if (folder / "tokenizer.json").exists():
+        _json_file(checkpoint, folder / "tokenizer.json")

@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from sage.config import ConfigError
 from sage.data.verifiers import row_verifier
@@ -43,12 +45,20 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_dataset(
-    sampler: Sampler, tokenizer, rows: list[dict], key: CellKey, *, cell: Path, pool: GradingPool
+    sampler: Sampler,
+    tokenizer,
+    rows: list[dict],
+    key: CellKey,
+    *,
+    cell: Path,
+    pool: GradingPool,
+    progress: Callable[[int], None] | None = None,
 ) -> dict:
-    """Sample, grade and store one (checkpoint, dataset, seed) cell. Returns {correct, completions}."""
+    """Sample, grade and store one (checkpoint, dataset, seed) cell. Returns {correct, completions}.
+    ``progress(m)`` is told of every m completions sampled."""
     s = key.settings
     t0 = time.perf_counter()
-    samples = sampler.sample(tokenize_prompts(tokenizer, rows, s.chat), s)
+    samples = sampler.sample(tokenize_prompts(tokenizer, rows, s.chat), s, progress=progress)
     t_sample = time.perf_counter() - t0
     flat = [c for per_row in samples.completions for c in per_row]
     golds = [r["answer"] for r in rows for _ in range(s.n_samples)]
@@ -76,6 +86,8 @@ def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
     for name, node in datasets_cfg.items():
         loaded = instantiate_node(node)
         rows[name] = loaded[:limit] if limit is not None else loaded
+        if not rows[name]:
+            raise ConfigError(f"eval.datasets.{name}: {node.get('_target_')} gave no rows to evaluate on")
         for row in rows[name]:
             try:
                 row_verifier(row)
@@ -127,20 +139,28 @@ def evaluate_model(
         for name, rows in rows_by_dataset.items():
             ids = [r["id"] for r in rows]
             per_seed = []
-            for seed in eval_cfg.seeds:
-                key = CellKey(SamplingSettings(seed=seed, **sampling), **identity)
-                cell = cell_dir(results_dir / name, key)
-                done = load_cell(cell, key, ids)
-                if done is not None:
-                    log.info("reusing finished evaluation cell %s", cell)
-                    per_seed.append(done)
-                    continue
-                if sampler is None:  # started only when a cell is missing: a finished run loads nothing
-                    sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
-                    stack.callback(sampler.close)  # a vLLM engine is shut down before the next is built
-                    if pool is None:
-                        pool = stack.enter_context(GradingPool(workers=2))
-                per_seed.append(evaluate_dataset(sampler, tokenizer, rows, key, cell=cell, pool=pool))
+            # One bar per dataset, in completions over all its seeds: a long cell shows its progress as it
+            # samples, a reused cell counts as done at once.
+            total = len(eval_cfg.seeds) * len(rows) * eval_cfg.n_samples
+            with tqdm(total=total, desc=f"eval {name}", unit="completion", dynamic_ncols=True) as bar:
+                for seed in eval_cfg.seeds:
+                    key = CellKey(SamplingSettings(seed=seed, **sampling), **identity)
+                    cell = cell_dir(results_dir / name, key)
+                    done = load_cell(cell, key, ids)
+                    if done is not None:
+                        log.info("reusing finished evaluation cell %s", cell)
+                        per_seed.append(done)
+                        bar.update(len(rows) * eval_cfg.n_samples)
+                        continue
+                    if sampler is None:  # started only when a cell is missing: a finished run loads nothing
+                        sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
+                        stack.callback(sampler.close)  # a vLLM engine is shut down before the next is built
+                        if pool is None:
+                            pool = stack.enter_context(GradingPool(workers=2))
+                    cell_result = evaluate_dataset(
+                        sampler, tokenizer, rows, key, cell=cell, pool=pool, progress=bar.update
+                    )
+                    per_seed.append(cell_result)
             correct = [r["correct"] for r in per_seed]
             results[name] = {
                 "summary": pass_at_k_over_seeds(correct, list(eval_cfg.ks)),

@@ -12,6 +12,7 @@ training max length (the default eval length); a LoRA adapter folder is merged o
 Where results go (``output_dir``, each cell a subfolder keyed by its settings, plus ``results.json``):
 ``<checkpoint>/eval`` for a checkpoint folder; for the base model (checkpoint=null) the shared cache
 folder that ``sage-train`` uses for its "base" row, so neither re-samples what the other finished.
+``results.json`` holds the last call's numbers; MLflow holds one run per (folder, settings).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from sage.config import (
-    ConfigError,
     EvalConfig,
     ModelConfig,
     TrackingConfig,
@@ -35,7 +35,7 @@ from sage.config import (
     instantiate_node,
     register_configs,
 )
-from sage.paths import CONF_DIR, base_results_dir
+from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
 from sage.tracking import check_store, metric_key, start_run
 
 log = logging.getLogger("sage.eval")
@@ -61,17 +61,20 @@ ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
     from sage.eval.analyses import log_analyses
+    from sage.eval.checkpoint import check_checkpoint_folder
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
     from sage.eval.sampling import check_backend
 
+    # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
+    # or the data files fails here, before a results folder, an MLflow run or a model exists.
     check_eval(cfg.eval)
     check_backend(cfg.eval)
     check_store(cfg)
-    if cfg.checkpoint is not None and not Path(cfg.checkpoint).is_dir():
-        raise ConfigError(
-            f"checkpoint={cfg.checkpoint} is not a folder; for a hub model leave checkpoint unset"
-        )
-    rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)  # a bad data file fails before any model loads
+    if cfg.checkpoint is not None:
+        check_checkpoint_folder(cfg.checkpoint)
+    if cfg.output_dir:
+        check_output_dir(cfg.output_dir)
+    rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)
 
     if cfg.checkpoint is None:
         model_path = instantiate_node(cfg.model.source)
@@ -81,10 +84,14 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         model_path = str(Path(cfg.checkpoint).resolve())
         default_dir = Path(model_path) / "eval"
         label = Path(model_path).name
+        check_output_dir(default_dir, key="output_dir (default <checkpoint>/eval)")
     results_dir = Path(cfg.output_dir).resolve() if cfg.output_dir else default_dir
+    max_new_tokens = cfg.eval.max_new_tokens or cfg.model.max_completion_length
+    key = settings_key(cfg, model_path, rows, max_new_tokens)
     results_dir.mkdir(parents=True, exist_ok=True)
-    # One MLflow run per results folder: re-running sage-eval there continues it and logs only what is new.
-    with start_run(cfg, results_dir, kind="eval") as tracker:
+    # One MLflow run per (results folder, settings key): other settings are another run, so a run's numbers
+    # are those of its settings; the same settings again continue their run and log only what is missing.
+    with start_run(cfg, results_dir, kind="eval", key=key) as tracker:
         if tracker is not None:
             tracker.set_tag("checkpoint", model_path)
         res = evaluate_model(
@@ -92,28 +99,58 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             rows,
             cfg.eval,
             chat=cfg.model.chat,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.model.max_completion_length,
+            max_new_tokens=max_new_tokens,
             results_dir=results_dir,
             dtype=str(cfg.model.dtype.value),
         )
         if tracker is not None:
             logged = tracker.client.get_run(tracker.run_id).data.metrics
-            for ds, r in res.items():
-                if metric_key(f"eval/{label}/{ds}/pass@1") not in logged:
-                    tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
-            log_analyses(
-                tracker,
-                label,
-                rows,
-                res,
-                chat=cfg.model.chat,
-                base=perplexity_base(cfg, model_path),
-                cap=cfg.eval.perplexity_cap,
-            )
+            new = {ds: r for ds, r in res.items() if metric_key(f"eval/{label}/{ds}/pass@1") not in logged}
+            for ds, r in new.items():
+                tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+            if new:
+                log_analyses(
+                    tracker,
+                    label,
+                    rows,
+                    new,
+                    chat=cfg.model.chat,
+                    base=perplexity_base(cfg, model_path),
+                    cap=cfg.eval.perplexity_cap,
+                )
     summaries = {ds: r["summary"] for ds, r in res.items()}
     print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
     print(f"\nresults: {results_dir / 'results.json'}")
+    if tracker is not None:
+        print(f"MLflow run: {tracker.run_id}")
     return summaries
+
+
+def settings_key(cfg: DictConfig, model_path: str, rows: dict[str, list[dict]], max_new_tokens: int) -> str:
+    """A hash of everything the numbers of a sage-eval run depend on: the checkpoint's files, every
+    dataset's rows (so ``eval.limit`` and the data files), the sampling settings, seeds, backend, dtype,
+    prompt format, the reported ks and the perplexity analysis settings. Not in it: what changes only the
+    speed (``eval.batch_size``) or the size of the artifacts (``tracking.completions_sample``)."""
+    from sage.eval.checkpoint import Checkpoint
+
+    e = cfg.eval
+    return content_key(
+        {
+            "model": Checkpoint.resolve(model_path).fingerprint(),
+            "datasets": {name: content_key(r) for name, r in rows.items()},
+            "n_samples": e.n_samples,
+            "seeds": list(e.seeds),
+            "temperature": float(e.temperature),
+            "top_p": float(e.top_p),
+            "max_new_tokens": max_new_tokens,
+            "backend": str(e.backend),
+            "dtype": str(cfg.model.dtype.value),
+            "chat": bool(cfg.model.chat),
+            "ks": list(e.ks),
+            "perplexity_base": e.perplexity_base,
+            "perplexity_cap": e.perplexity_cap,
+        }
+    )
 
 
 def perplexity_base(cfg: DictConfig, model_path: str) -> str | None:

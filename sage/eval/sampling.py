@@ -8,7 +8,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -71,7 +71,11 @@ class Samples:
 
 
 class Sampler(Protocol):
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples: ...
+    def sample(
+        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
+    ) -> Samples:
+        """n_samples completions per prompt; ``progress(m)`` is told of every m completions finished."""
+        ...
 
     def close(self) -> None: ...
 
@@ -138,7 +142,9 @@ class HFSampler:
             model = PeftModel.from_pretrained(model, checkpoint.adapter).merge_and_unload()
         return cls(model.eval(), tokenizer, batch_size)
 
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
+    def sample(
+        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
+    ) -> Samples:
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         out: list[list[str]] = [[] for _ in prompt_ids]
         generator = torch.Generator(device=self.model.device).manual_seed(s.seed)
@@ -177,6 +183,8 @@ class HFSampler:
             rows = [r for r, c in chunk for _ in range(c)]
             for r, text in zip(rows, texts, strict=True):
                 out[r].append(text)
+            if progress is not None:
+                progress(len(texts))
         return Samples(out, n_tokens)
 
     def close(self) -> None:
@@ -238,7 +246,9 @@ class VllmSampler:
             **device,
         )
 
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
+    def sample(
+        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
+    ) -> Samples:
         from vllm import SamplingParams
 
         # vLLM seeds sample j of a request with seed + j: requests are seeded n_samples apart, so every
@@ -258,6 +268,8 @@ class VllmSampler:
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=self.lora, use_tqdm=False
         )
         completions = [[o.text for o in out.outputs] for out in outputs]
+        if progress is not None:  # one engine call for the whole cell: done at once
+            progress(sum(len(c) for c in completions))
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
 
     def close(self) -> None:

@@ -122,6 +122,7 @@ def rl(
         log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
         return final
     from sage.grading import PoolReward
+    from sage.train.console import short_step_lines
     from sage.train.trainer import SageGRPOTrainer, describe_batch
 
     trainer = SageGRPOTrainer(
@@ -135,6 +136,7 @@ def rl(
         filter_zero_variance_groups=cfg.filter_zero_variance_groups,
         callbacks=callbacks,
     )
+    short_step_lines(trainer)  # a short console line per step; every metric still goes to MLflow
     print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest_prompt(trainer, dataset)))
     trainer.train(resume_from_checkpoint=last)
     saving = out / "final.partial"
