@@ -150,7 +150,14 @@ class SFTStageConfig:
 class ModelConfig:
     source: Any = field(default=MISSING, metadata={"help": "_target_ returning a local path or hub id"})
     chat: bool = field(default=True, metadata={"help": "prompts as system+user chat (False: bare text)"})
-    dtype: DType = DType.bfloat16
+    dtype: DType = field(
+        default=DType.bfloat16,
+        metadata={
+            "help": "weights' dtype; full fine-tuning (lora None) loads a half-precision model as float32 "
+            "master weights trained under trl.bf16/fp16 autocast (updates of ~5e-6 vanish in bfloat16); "
+            "LoRA keeps the frozen base in this dtype"
+        },
+    )
     lora: Any = field(default=None, metadata={"help": "peft.LoraConfig (conf/peft/); None: full fine-tuning"})
     max_completion_length: int = 2048
     branch_threshold: float = field(
@@ -171,6 +178,10 @@ class ArithDataConfig:
 class MathDataConfig:
     _target_: str = "sage.data.datasets.math_prompts"
     source: str = MISSING
+    subset: str | None = field(
+        default=None,
+        metadata={"help": "the hub dataset's configuration (load_dataset's name); not used for a local file"},
+    )
     split: str = "train"
     problem_field: str = "prompt"
     answer_field: str = "solution"

@@ -28,3 +28,34 @@ def from_hub(repo_id: str) -> str:
         raise RuntimeError(
             f"model {repo_id!r} could not be fetched from the hub ({type(e).__name__}: {e})"
         ) from e
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token the tokenizer's chat template closes an assistant turn with, read off the template
+    itself: a chat model learns (in SFT) and emits this token at the end of its answer, so generation must
+    stop on it. It is not always the tokenizer's eos: base Qwen2.5(-Math) ships eos ``<|endoftext|>`` (its
+    pretraining document separator) with a ChatML template whose turns end in ``<|im_end|>``.
+
+    None when the tokenizer has no chat template or the template closes a turn without a special token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "sage end-of-turn probe"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    tail = text[text.rindex(marker) + len(marker) :]
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    if not ids or ids[0] not in tokenizer.all_special_ids:
+        return None
+    return tokenizer.convert_ids_to_tokens(ids[0])
+
+
+def policy_dtype(dtype: str, lora: bool) -> str:
+    """The dtype the policy's weights are loaded in, given ``model.dtype`` and whether LoRA is on.
+
+    Full fine-tuning (no LoRA) in a half-precision ``dtype`` loads float32 master weights instead and
+    trains under TRL's autocast (``trl.bf16=true`` / ``trl.fp16=true``): an update of lr x grad ~ 5e-6 of
+    a weight is below bfloat16's resolution (8 bits of mantissa, ~4e-3 relative), so half-precision
+    weights would round most updates away. LoRA keeps the frozen base in ``dtype`` (it is never updated;
+    peft keeps the trained adapter in float32 either way), which halves the base model's memory."""
+    return "float32" if dtype in ("bfloat16", "float16") and not lora else dtype

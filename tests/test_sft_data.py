@@ -1,32 +1,59 @@
 """SFT rows of a chat model go through TRL's own SFT tokenisation: a chat prompt gets an assistant-message
 completion (TRL joins the two; a plain-string completion beside a message list was a TypeError), and the
-loss covers exactly the assistant turn, end-of-turn token included."""
+loss covers exactly the assistant turn, end-of-turn token included: for the testbed's tiny_chat and for
+each of the paper's chat models, whose published chat templates and special tokens are stored in
+tests/data/chat_templates/ (their tokenizers cannot be downloaded here; see chat_tokenizers.py)."""
 
 import json
 
+import pytest
+from chat_tokenizers import PAPER_CHAT_MODELS, build_chat_tokenizer, published, tiny_model
 from trl import SFTConfig, SFTTrainer
 
 from sage.data.datasets import arith_sft_dataset, sft_dataset
+from sage.models import end_of_turn_token
 from sage.testbed.model import build_tiny_model
 from sage.testbed.tokenizer import build_tokenizer
 
+ROWS = [
+    {"problem": "12+30=", "generated_solution": "<think>12+30=42</think>42", "expected_answer": "42"},
+    {"problem": "7*6=", "generated_solution": "<think>7*6=42</think>", "expected_answer": "forty"},
+]
+END_OF_TURN = {  # what each published template closes an assistant turn with
+    "qwen2.5-math-7b": "<|im_end|>",  # not its eos (<|endoftext|>): see test_sft_stop.py
+    "qwen2.5-math-1.5b-instruct": "<|im_end|>",
+    "qwen2.5-3b-instruct": "<|im_end|>",
+    "r1-distill-qwen-7b": "<｜end▁of▁sentence｜>",
+}
 
-def tokenised(dataset, tokenizer, tmp_path, chat=False):
+
+def tokenised(dataset, tokenizer, tmp_path, chat=False, model=None):
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=512, bf16=False)
     trainer = SFTTrainer(
-        model=build_tiny_model(chat=chat), args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model or build_tiny_model(chat=chat),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
     )
     return trainer.train_dataset
 
 
-def test_chat_sft_rows_pass_trls_tokenisation(tmp_path):
+def sft_rows(tmp_path):
     src = tmp_path / "sft.jsonl"
-    rows = [
-        {"problem": "12+30=", "generated_solution": "<think>12+30=42</think>42", "expected_answer": "42"},
-        {"problem": "7*6=", "generated_solution": "<think>7*6=42</think>", "expected_answer": "forty"},
-    ]
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds = sft_dataset(str(src), "train", max_prompt_length=100, chat=True)
+    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return sft_dataset(str(src), "train", max_prompt_length=100, chat=True)
+
+
+def split_by_loss(tokenizer, row) -> tuple[str, str]:
+    """(the text the loss ignores, the text it covers), decoded with the special tokens."""
+    ids, mask = row["input_ids"], [label != -100 for label in row["labels"]]
+    covered = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert covered == ids[len(ids) - len(covered) :]  # one span, at the end
+    return tokenizer.decode(ids[: len(ids) - len(covered)]), tokenizer.decode(covered)
+
+
+def test_chat_sft_rows_pass_trls_tokenisation(tmp_path):
+    ds = sft_rows(tmp_path)
     assert len(ds) == 1  # the non-numeric answer is dropped
     assert ds[0]["completion"][0]["role"] == "assistant" and ds[0]["prompt"][-1]["role"] == "user"
     tok = build_tokenizer(chat=True)  # model=tiny_chat's: Qwen2.5's ChatML turns
@@ -46,3 +73,35 @@ def test_bare_text_sft_rows_stay_strings(tmp_path):
     assert all(isinstance(c, str) for c in ds["completion"])
     row = tokenised(ds, build_tokenizer(), tmp_path)[0]
     assert 0 < sum(label != -100 for label in row["labels"]) < len(row["input_ids"])
+
+
+@pytest.mark.parametrize("model", PAPER_CHAT_MODELS)
+def test_paper_chat_models_sft_rows(tmp_path, model):
+    """Each paper chat model's SFT rows, rendered by its published template through TRL's SFT tokenisation:
+    the loss covers exactly the assistant's answer and the template's end of the turn, which is the
+    model's end-of-turn token, the one sage's SFT stage makes generation stop on."""
+    tok = build_chat_tokenizer(model)
+    ds = sft_rows(tmp_path)
+    assert len(ds) == 1
+    row = tokenised(ds, tok, tmp_path, model=tiny_model(tok))[0]
+    ignored, covered = split_by_loss(tok, row)
+
+    answer = ds[0]["completion"][0]["content"]
+    rendered = tok.apply_chat_template(ds[0]["prompt"] + ds[0]["completion"], tokenize=False)
+    start = rendered.rindex(answer)
+    # the turn and nothing else; decoding back to the rendered text also shows no character was lost
+    assert (ignored, covered) == (rendered[:start], rendered[start:])
+
+    eot = END_OF_TURN[model]
+    assert end_of_turn_token(tok) == eot
+    closing = covered[len(answer) :]  # what the template writes after the answer
+    assert closing.startswith(eot) and not closing[len(eot) :].strip()  # (Qwen: a newline follows)
+    assert tok.convert_tokens_to_ids(eot) in row["input_ids"][-2:]  # one token, not characters
+
+    # the context trained on is the inference prompt (generation prompt included), except for the
+    # published R1-Distill template, which prefills "<think>\n" at inference but writes no such text
+    # before a stored assistant answer: TRL then trains on the context without it
+    at_inference = tok.apply_chat_template(ds[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    prefill = "<think>\n" if model == "r1-distill-qwen-7b" else ""
+    assert at_inference == ignored + prefill
+    assert published(model)["sources"]  # stored values carry where they were read

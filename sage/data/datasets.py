@@ -20,8 +20,10 @@ from sage.data.prompts import (
 )
 
 
-def load_rows(source: str, split: str) -> Dataset:
-    """A local .jsonl/.json/.parquet/.csv file or a hub dataset id; a source with no rows is an error."""
+def load_rows(source: str, split: str, subset: str | None = None) -> Dataset:
+    """A local .jsonl/.json/.parquet/.csv file or a hub dataset id; a source with no rows is an error.
+    ``subset``: the hub dataset's configuration (``load_dataset``'s ``name``); a local file is one table
+    and has none, so it is not used there."""
     path = Path(source)
     if path.suffix in {".jsonl", ".json", ".parquet", ".csv"}:
         if not path.exists():
@@ -31,8 +33,9 @@ def load_rows(source: str, split: str) -> Dataset:
         else:
             ds = load_dataset(path.suffix[1:], data_files=str(path), split="train")
     else:
+        name = check_subset(source, subset)  # before any download: a bad value is the user's, not the hub's
         try:
-            ds = load_dataset(source, split=split)
+            ds = load_dataset(source, name, split=split)
         except Exception as e:  # offline, unknown id, private: all mean "cannot load this source"
             raise RuntimeError(
                 f"data source {source!r} (split {split!r}) could not be loaded: {type(e).__name__}: {e}"
@@ -72,6 +75,25 @@ def read_json_rows(path: Path) -> list[dict]:
     return [row for _, row in numbered]
 
 
+HUB_SUBSETS = {
+    # the dataset repo's create_dataset.py (commit 866c0f0): "all" is BytedTsinghua-SIA/DAPO-Math-17k
+    # deduplicated by prompt, "en" its prompts without a Chinese character, "cn" those with one
+    "open-r1/DAPO-Math-17k-Processed": ("all", "en", "cn"),
+}
+"""Configurations of the hub datasets sage's data options name, checked before any download."""
+
+
+def check_subset(source: str, subset: str | None) -> str | None:
+    """``subset`` if ``source`` has such a configuration (hub ids not listed in HUB_SUBSETS are left to the
+    hub to check); else a one-line error naming ``data.subset``."""
+    known = HUB_SUBSETS.get(source)
+    if known is not None and subset not in known:
+        raise ValueError(
+            f"data.subset={subset!r} is not a configuration of {source} (one of: {', '.join(known)})"
+        )
+    return subset
+
+
 def require_fields(ds: Dataset, fields: list[str], source: str) -> None:
     for f in fields:
         if f not in ds.column_names:
@@ -82,10 +104,17 @@ def require_fields(ds: Dataset, fields: list[str], source: str) -> None:
 
 
 def math_prompts(
-    source: str, split: str, problem_field: str, answer_field: str, limit: int | None, chat: bool
+    source: str,
+    split: str,
+    problem_field: str,
+    answer_field: str,
+    limit: int | None,
+    chat: bool,
+    subset: str | None = None,
 ) -> Dataset:
-    """RL prompts (e.g. DAPO-Math-17k-Processed: fields ``prompt`` and ``solution``), first ``limit`` rows."""
-    ds = load_rows(source, split)
+    """RL prompts (e.g. DAPO-Math-17k-Processed: fields ``prompt`` and ``solution``), first ``limit`` rows
+    of the hub configuration ``subset`` (not used for a local file)."""
+    ds = load_rows(source, split, subset)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     require_fields(ds, [problem_field, answer_field], source)

@@ -66,7 +66,9 @@ def library_config(node: DictConfig, **runtime):
 
 def grpo_args(cfg: DictConfig, output_dir: Path):
     """TRL's GRPOConfig: the ``trl`` node (TRL's own keys), plus the facts that have their key elsewhere."""
-    dtype = str(cfg.model.dtype)
+    from sage.models import policy_dtype  # full fine-tuning keeps float32 master weights
+
+    dtype = policy_dtype(str(cfg.model.dtype), lora=cfg.model.lora is not None)
     return library_config(
         cfg.trl,
         output_dir=str(output_dir),

@@ -48,17 +48,32 @@ def run_sft(cfg: DictConfig, base_path: str, root: Path, peft_config) -> str:
 
 
 def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict) -> None:
+    from transformers import AutoTokenizer
     from trl import SFTTrainer
+
+    from sage.models import end_of_turn_token, policy_dtype
 
     s = cfg.model.sft
     dataset = instantiate_node(s.data, chat=cfg.model.chat)
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    # A chat model learns to end its turn with the template's end-of-turn token, which is not always the
+    # tokenizer's eos (base Qwen2.5-Math: <|im_end|> vs <|endoftext|>). TRL's eos_token makes it the eos of
+    # the saved tokenizer and a stop id of the saved generation_config, so RL rollouts, vLLM and our
+    # evaluator stop where the model ends its answer. model.sft.args.eos_token, when set, wins.
+    stop = s.args.get("eos_token") or (end_of_turn_token(tokenizer) if cfg.model.chat else None)
     args = instantiate_node(
         changed_only(s.args),
         output_dir=str(folder / "trainer"),
         save_strategy="no",  # only the merged result is kept
-        model_init_kwargs={"dtype": str(cfg.model.dtype), **(s.args.model_init_kwargs or {})},
+        model_init_kwargs={
+            "dtype": policy_dtype(str(cfg.model.dtype), lora=peft_config is not None),
+            **(s.args.model_init_kwargs or {}),
+        },
+        **({"eos_token": stop} if stop else {}),
     )
-    trainer = SFTTrainer(model=base_path, args=args, train_dataset=dataset, peft_config=peft_config)
+    trainer = SFTTrainer(
+        model=base_path, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
+    )
     trainer.train()
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
