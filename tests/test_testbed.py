@@ -221,3 +221,41 @@ def test_built_model_loads_offline_with_consistent_special_tokens(tmp_path: Path
     inputs = tokenizer(["47*6+23=", "5*6+10="], return_tensors="pt", padding=True)
     out = model.generate(**inputs, do_sample=True, max_new_tokens=8)
     assert out.shape[0] == 2
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tokenizer_reloads_from_a_model_folder_as_built(tmp_path, chat):
+    """TRL, vLLM and the evaluator load the testbed tokenizer with AutoTokenizer from the model folder,
+    which for a Qwen2 model is a Qwen2Tokenizer: it must tokenize every prompt and teacher trace (spaces
+    and newlines included) exactly as the tokenizer the base model was trained with."""
+    import random
+
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from sage.data.prompts import make_completion, make_prompt
+    from sage.testbed.task import make_problems, teacher_completion
+    from sage.testbed.tokenizer import build_tokenizer
+
+    built = build_tokenizer(chat=chat)
+    built.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(built)).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    rng = random.Random(0)
+    texts = []
+    for p in make_problems("train", 50, seed=0):
+        completion = teacher_completion(p["a"], p["b"], p["c"], rng)[0]
+        if chat:
+            messages = make_prompt(p["problem"], True) + make_completion(completion, True)
+            texts.append(built.apply_chat_template(messages, tokenize=False))
+        else:
+            texts.append(p["problem"] + completion)
+    assert any(" " in t for t in texts) and (not chat or any("\n" in t for t in texts))
+    for text in texts:
+        ids = built(text, add_special_tokens=False)["input_ids"]
+        assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+        assert loaded.decode(ids) == built.decode(ids) == text
+    assert (loaded.eos_token, loaded.pad_token, loaded.padding_side) == (
+        built.eos_token,
+        built.pad_token,
+        "left",
+    )

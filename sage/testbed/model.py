@@ -28,7 +28,7 @@ from sage.testbed.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-BUILD_FORMAT_VERSION = 1
+BUILD_FORMAT_VERSION = 2
 """Part of the cache key: bump it when the task, the teacher or the training loop changes behaviour, so
 that stale cached models are never reused."""
 MAX_POSITIONS = 128

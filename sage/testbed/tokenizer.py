@@ -1,4 +1,4 @@
-"""Character-level tokenizers of the testbed models, built offline from a ``tokenizers`` WordLevel model:
+"""Character-level tokenizers of the testbed models, built offline (one token per character):
 the plain one (``model=tiny``) and a Qwen-style chat one (``model=tiny_chat``).
 
 Two constraints shape it. TRL decodes completions with ``skip_special_tokens=True``, so the four format
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import string
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken
+from transformers import Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 
@@ -34,31 +35,36 @@ CHAT_TEMPLATE = (
 generation stops at the end of the assistant's turn as it does for Qwen2.5-Math-7B."""
 
 
-def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(chat: bool = False) -> Qwen2Tokenizer:
     """A fresh tokenizer; deterministic, so the vocabulary ids are the same on every build. ``chat``: the
     ChatML variant (letters, ``<|im_start|>``/``<|im_end|>`` special tokens, ``<|im_end|>`` as eos, a
     chat template); the plain vocabulary's ids are unchanged.
 
+    It is a Qwen2Tokenizer (byte-level BPE without merges: one token per character) whose vocabulary is
+    written in byte-level symbols, because that is what ``AutoTokenizer`` makes of the tokenizer of any
+    Qwen2 model folder: TRL, vLLM and the evaluator all reload it from there, and a vocabulary in plain
+    characters would lose every space and newline on the way (the byte-level pre-tokenizer turns a space
+    into a symbol it would not find). Built as that class, the tokenizer the base model is trained with is
+    the one everything else reads. A character outside the vocabulary has no token: the task writes none.
+
     No BOS is added automatically: TRL tokenizes the prompt and the completion separately, and an
     automatic BOS would be inserted wherever anyone tokenizes a piece of completion text.
     """
-    specials = (*SPECIAL_TOKENS, IM_START, IM_END) if chat else SPECIAL_TOKENS
-    # "." matches any character but a newline; the chat vocabulary's "\n" must be a token of its own too
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *(CHAT_CHARS if chat else CHARS)))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]" if chat else "."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    symbol = bytes_to_unicode()
+    chars = CHAT_CHARS if chat else CHARS
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *(symbol[ord(c)] for c in chars)))}
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=UNK,
         pad_token=PAD,
         eos_token=IM_END if chat else EOS,
         bos_token=BOS,
-        unk_token=UNK,
+        extra_special_tokens=[IM_START, IM_END] if chat else [],
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     if chat:
         tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
