@@ -109,3 +109,23 @@ def test_close_shuts_the_engine_down_before_the_next(adapter):
     sampler.close()
     psutil.wait_procs(started, timeout=60)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+
+
+def test_rl_releases_trls_colocated_engine_before_the_evaluation(adapter):
+    """rollout=vllm: TRL's trainer holds a colocated engine (``trainer.vllm_generation.llm``); sage-train
+    shuts it down when RL is done, so the end-of-run evaluation's engine never runs beside it. The engine
+    here is a real one in the place TRL keeps it (TRL's colocated training itself needs CUDA)."""
+    from types import SimpleNamespace
+
+    from sage.train.main import release_training_engine
+
+    before = {p.pid for p in engine_processes()}
+    sampler = VllmSampler(Checkpoint.resolve(Checkpoint.resolve(adapter).base), "float32", EVAL_CFG)
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(llm=sampler.__dict__.pop("llm")))
+    started = [p for p in engine_processes() if p.pid not in before]
+    assert started
+    release_training_engine(trainer)
+    assert not hasattr(trainer.vllm_generation, "llm")
+    psutil.wait_procs(started, timeout=60)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+    release_training_engine(SimpleNamespace())  # rollout=hf: no engine, nothing to do

@@ -275,15 +275,20 @@ class VllmSampler:
     def close(self) -> None:
         """Shut the engine down (its worker process and memory) so that the next one starts alone."""
         llm = self.__dict__.pop("llm", None)
-        if llm is None:
-            return
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if llm is not None:
+            shutdown_engine(llm)
+
+
+def shutdown_engine(llm) -> None:
+    """Stop a vLLM ``LLM``'s engine (its worker processes and their memory) and free what is left of it. The
+    caller drops its own references first: memory held by a live reference cannot be returned."""
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:

@@ -15,12 +15,14 @@ import json
 import logging
 import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from sage import distributed
 from sage.config import (
     ConfigError,
     changed_only,
@@ -139,17 +141,36 @@ def rl(
         callbacks=callbacks,
     )
     short_step_lines(trainer)  # a short console line per step; every metric still goes to MLflow
-    print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest_prompt(trainer, dataset)))
+    if distributed.is_main():
+        longest = longest_prompt(trainer, dataset)
+        print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest))
     trainer.train(resume_from_checkpoint=last)
     saving = out / "final.partial"
-    shutil.rmtree(saving, ignore_errors=True)  # what a job killed while saving left behind
-    trainer.save_model(str(saving))
-    trainer.processing_class.save_pretrained(str(saving))
-    (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
-    shutil.rmtree(final, ignore_errors=True)  # an earlier, shorter run's model, replaced by this one
-    (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
-    os.replace(saving, final)
+    if distributed.is_main():
+        shutil.rmtree(saving, ignore_errors=True)  # what a job killed while saving left behind
+    distributed.barrier()
+    trainer.save_model(str(saving))  # on every process (sharded weights are gathered); the main one writes
+    if distributed.is_main():
+        trainer.processing_class.save_pretrained(str(saving))
+        (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
+        shutil.rmtree(final, ignore_errors=True)  # an earlier, shorter run's model, replaced by this one
+        (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
+        os.replace(saving, final)
+    distributed.barrier()
+    release_training_engine(trainer)
     return final
+
+
+def release_training_engine(trainer) -> None:
+    """TRL's colocated vLLM engine (``rollout=vllm``) is shut down once RL is done: the end-of-run
+    evaluation starts an engine of its own, which must never run beside a live one on the same GPU."""
+    from sage.eval.sampling import shutdown_engine
+
+    generation = getattr(trainer, "vllm_generation", None)
+    llm = getattr(generation, "llm", None)
+    if llm is not None:
+        del generation.llm
+        shutdown_engine(llm)
 
 
 def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool) -> list:
@@ -224,7 +245,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     validate(cfg)
     check_store(cfg)
     divergence, guide = build_parts(cfg)
-    out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    distributed.init()
+    # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
+    out = Path(distributed.broadcast(str(cfg.output_dir or HydraConfig.get().runtime.output_dir))).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     from transformers.trainer_utils import get_last_checkpoint
@@ -232,7 +255,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from sage.config import Resume, resume_mode
 
     rl_dir = out / "rl"
-    set_aside_incomplete_checkpoints(rl_dir)
+    if distributed.is_main():
+        set_aside_incomplete_checkpoints(rl_dir)
+    distributed.barrier()
     last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
     resume = resume_mode(cfg.resume)
     if resume == Resume.true and last is None:
@@ -254,7 +279,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     needs_rows = cfg.eval.at_end or cfg.eval.every_steps
     eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if needs_rows else {}
-    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    if distributed.is_main():
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
 
     from transformers import set_seed
 
@@ -272,7 +298,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # the final evaluation are all graded by it, under the same time and memory limits.
     # the run of an earlier attempt is continued only with its work: a checkpoint, or a finished final/
     continuing = last is not None or final_step(out / "final") >= 0
-    with start_run(cfg, out, kind="train", resume=continuing) as tracker, GradingPool() as pool:
+    # One MLflow run per run, however many processes train: the main process records, the others only train.
+    run = start_run(cfg, out, kind="train", resume=continuing) if distributed.is_main() else nullcontext(None)
+    with run as tracker, GradingPool() as pool:
         if tracker is not None:
             tracker.log_artifact(out / "config.yaml")
             tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
@@ -304,6 +332,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             if tracker is not None:
                 tracker.set_tag("pruned_at_step", str(pruned_at))
 
+        if not distributed.is_main():  # the evaluation and its records are the main process's
+            return metrics
         if cfg.eval.at_end and pruned_at is None:
             max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
             table = {}
