@@ -17,18 +17,23 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from sage import distributed
 from sage.config import changed_only, instantiate_node
 from sage.paths import build_once, content_key
 
 log = logging.getLogger(__name__)
 
 DONE_FILE = "sft_info.json"
+# Raised when what the stage does changes for the same settings (2: chat models stop at the template's
+# end-of-turn token), so that a merged model an earlier version stored is not reused.
+SFT_FORMAT = 2
 
 
 def sft_key(cfg: DictConfig, base_path: str) -> dict:
     """Everything the merged model depends on."""
     s, lora = cfg.model.sft, cfg.model.lora
     return {
+        "format": SFT_FORMAT,
         "base": str(Path(base_path).resolve()) if Path(base_path).exists() else base_path,
         "data": OmegaConf.to_container(s.data, resolve=True),
         "args": OmegaConf.to_container(changed_only(s.args)),
@@ -44,7 +49,11 @@ def run_sft(cfg: DictConfig, base_path: str, root: Path, peft_config) -> str:
     final = root / content_key(key)
     if (final / DONE_FILE).exists():
         log.info("SFT stage already done: %s", final)
-    return str(build_once(final, DONE_FILE, lambda folder: _train(cfg, base_path, folder, peft_config, key)))
+    return str(
+        build_once(
+            final, DONE_FILE, lambda folder: _train(cfg, base_path, folder, peft_config, key), collective=True
+        )
+    )
 
 
 def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict) -> None:
@@ -74,10 +83,13 @@ def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict
     trainer = SFTTrainer(
         model=base_path, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
     )
-    trainer.train()
+    trainer.train()  # every process of a multi-process run trains; the main one merges and writes
+    if not distributed.is_main():
+        return
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.save_pretrained(folder)
     trainer.processing_class.save_pretrained(folder)
     (folder / DONE_FILE).write_text(json.dumps({"key": key, "log": trainer.state.log_history}, indent=2))
+    log.info("SFT stage trained on %d process(es), merged and written once", distributed.world_size())
