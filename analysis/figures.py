@@ -1,6 +1,7 @@
 """Figures as PNGs from tidy frames (matplotlib's Agg backend: no display needed).
 
-Lines are means over training seeds; bands span mean ± std over seeds (no band with one seed).
+Lines are means over training seeds; bands span mean ± std over seeds (no band with one seed), except the
+pass@k curves, whose bands are bootstrap intervals over problems and seeds when the report has them.
 """
 
 from __future__ import annotations
@@ -28,9 +29,16 @@ def _mean_band(frame: pd.DataFrame, x: str) -> pd.DataFrame:
     return pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=1), "n": g.count()}).reset_index()
 
 
-def _line(ax, frame: pd.DataFrame, x: str, label: str, dashed: bool = False) -> None:
+def _line(
+    ax, frame: pd.DataFrame, x: str, label: str, dashed: bool = False, band: pd.DataFrame | None = None
+) -> None:
+    """Mean over seeds; shaded: ``band`` (x, lo, hi) if given, else mean ± std over seeds."""
     s = _mean_band(frame, x).sort_values(x)
-    (line,) = ax.plot(s[x], s["mean"], "--" if dashed else "-", marker=".", label=label)
+    (line,) = ax.plot(s[x], s["mean"], "--" if dashed else "-", marker=".", markersize=3, label=label)
+    if band is not None and len(band):
+        b = band.sort_values(x)
+        ax.fill_between(b[x], b["lo"], b["hi"], color=line.get_color(), alpha=0.2, linewidth=0)
+        return
     band = s["std"].notna()
     if band.any():
         ax.fill_between(
@@ -43,14 +51,18 @@ def _line(ax, frame: pd.DataFrame, x: str, label: str, dashed: bool = False) -> 
         )
 
 
-def passk_curves(curves: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Figure 3: pass@k against k (log scale) per dataset, one line per row. ``curves``: row, seed,
-    dataset, k, value."""
+def passk_curves(curves: pd.DataFrame, out_dir: Path, bands: pd.DataFrame | None = None) -> list[Path]:
+    """Figure 3: pass@k against k = 1..n (log scale) per dataset, one line per row (the mean of the
+    logged curves over seeds). ``curves``: row, seed, dataset, k, value. ``bands``: row, dataset, k, lo,
+    hi (the bootstrap band of ``report.curve_bands``); a row without one gets mean ± std over seeds."""
     paths = []
     for ds, sub in curves.groupby("dataset"):
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for row in sorted(sub["row"].unique(), key=row_key):
-            _line(ax, sub[sub["row"] == row], "k", row)
+            band = None
+            if bands is not None:
+                band = bands[(bands["row"] == row) & (bands["dataset"] == ds)]
+            _line(ax, sub[sub["row"] == row], "k", row, band=band)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, ... not 2^0
         ax.set(xlabel="k (samples)", ylabel="pass@k", title=f"pass@k on {ds}")

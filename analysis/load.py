@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from sage.tracking import redact, resolve_uri
@@ -256,6 +257,18 @@ def perplexities(client, run_id: str, label: str, dataset: str, dst: Path) -> li
     if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
         return None
     return json.loads(Path(client.download_artifacts(run_id, name, str(dst / run_id))).read_text())
+
+
+def correctness(client, run_id: str, label: str, dataset: str, dst: Path) -> list[np.ndarray] | None:
+    """The boolean (problems x samples) correctness matrices of every evaluation seed (in seed order) that
+    ``Tracker.log_eval`` logged for ``label`` on ``dataset``, or None."""
+    name = f"eval/{label}/{label}_{dataset}_correct.npz"
+    if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
+        return None
+    with np.load(client.download_artifacts(run_id, name, str(dst / run_id))) as npz:
+        # savez names positional arrays arr_0, arr_1, ...: numeric order, not the archive's
+        keys = sorted(npz.files, key=lambda f: int(f.removeprefix("arr_")))
+        return [npz[f].astype(bool) for f in keys]
 
 
 def run_config(client, run_id: str, dst: Path):

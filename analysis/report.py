@@ -23,12 +23,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import figures, load, tables
+from analysis import bootstrap, figures, load, tables
 from analysis.load import ReportError
-from analysis.tables import SEED_FRAME, Table
+from analysis.tables import SEED_FRAME, Diff, Table
 from sage.tracking import redact
 
 SOURCES = ["row", "seed", "run_id", "label"]
+NOISE_SENTENCE = (
+    "A difference whose interval includes 0 is not distinguishable from seed and problem noise: it is not "
+    "a result."
+)
 # (kind logged by sage.eval.analyses, table name, heading, title, caption)
 ANALYSES = [
     (
@@ -195,6 +199,124 @@ def perplexity_frame(
     return pd.DataFrame(out, columns=["row", "seed", "run_id", "ppl"]), notes
 
 
+class ProblemValues:
+    """Per-problem pass@k of every source, from the correctness matrices its evaluation logged: the data
+    of the bootstrap intervals. Loaded once per (source, dataset); pass@k computed once per k."""
+
+    def __init__(self, client, src: pd.DataFrame, datasets: Sequence[str], asked: Sequence[int], tmp: Path):
+        self.notes: list[str] = []
+        self.mats: dict[tuple[str, str], dict[int, list[np.ndarray]]] = {}
+        self._cache: dict[tuple[str, str, int, int], np.ndarray] = {}
+        for row, seed, run_id, label in src[src["seed"].isin(asked)][SOURCES].itertuples(index=False):
+            for ds in datasets:
+                m = load.correctness(client, run_id, label, ds, tmp)
+                if m is None:
+                    self.notes.append(
+                        f"intervals: {row} seed {seed} (run {run_id}) logged no correctness matrices for "
+                        f"{label}/{ds} ({label}_{ds}_correct.npz): that seed is left out of the intervals"
+                    )
+                    continue
+                self.mats.setdefault((row, ds), {})[int(seed)] = m
+
+    def shape(self, row: str, ds: str) -> tuple[int, int] | str:
+        """(problems, samples) shared by every seed of a row, else why not."""
+        shapes = {m[0].shape for m in self.mats.get((row, ds), {}).values()}
+        if not shapes:
+            return "no correctness matrices"
+        if len(shapes) > 1:
+            return f"seeds evaluated different (problems, samples): {sorted(shapes)}"
+        return shapes.pop()
+
+    def values(self, row: str, ds: str, ks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        """(seeds, problems, len(ks)) per-problem pass@k and the seeds, for a row whose ``shape`` is a
+        shape with samples >= max(ks)."""
+        seeds = sorted(self.mats[(row, ds)])
+        for seed in seeds:
+            todo = [k for k in ks if (row, ds, seed, k) not in self._cache]
+            if todo:
+                computed = bootstrap.per_problem_pass_at_k(self.mats[(row, ds)][seed], todo)
+                for k, v in zip(todo, computed, strict=True):
+                    self._cache[(row, ds, seed, k)] = v
+        per_seed = [np.stack([self._cache[(row, ds, s, k)] for k in ks], axis=-1) for s in seeds]
+        return np.stack(per_seed), seeds
+
+
+def difference_table(
+    pv: ProblemValues,
+    rows: Sequence[str],
+    reference: str,
+    columns: Sequence[tuple[str, int]],
+    asked: Sequence[int],
+    *,
+    draws: int,
+    rng_seed: int,
+    name: str,
+    title: str,
+) -> Table:
+    """Each of ``rows`` minus ``reference`` at each (dataset, k) column: a ``Diff`` cell (the difference
+    with its paired bootstrap interval), or why there is none."""
+    out = []
+    for row in rows:
+        cells: list[tables.Cell] = []
+        for ds, k in columns:
+            shapes = (pv.shape(row, ds), pv.shape(reference, ds))
+            named = zip((row, reference), shapes, strict=True)
+            why = next((f"{r}: {s}" for r, s in named if isinstance(s, str)), None)
+            if why is None and shapes[0][0] != shapes[1][0]:
+                why = f"not paired by problem: {shapes[0][0]} vs {shapes[1][0]} problems"
+            if why is None and min(shapes[0][1], shapes[1][1]) < k:
+                why = f"k={k} exceeds the samples per problem ({min(shapes[0][1], shapes[1][1])})"
+            if why is not None:
+                cells.append(f"— ({why})")
+                continue
+            a, seeds = pv.values(row, ds, [k])
+            b, ref_seeds = pv.values(reference, ds, [k])
+            interval = bootstrap.paired_difference(
+                a[..., 0],
+                seeds,
+                b[..., 0],
+                ref_seeds,
+                draws=draws,
+                rng_seed=rng_seed,
+                ref_is_base=reference.startswith("base"),
+            )
+            cells.append(Diff(interval, len(seeds), len(ref_seeds), len(asked)))
+        out.append((row, cells))
+    columns_text = [f"{ds} pass@{k}" for ds, k in columns]
+    return Table(name, title, columns_text, out)
+
+
+def curve_bands(pv: ProblemValues, rows: Sequence[str], datasets: Sequence[str], draws: int, rng_seed: int):
+    """(row, dataset, k, lo, hi): the bootstrap band (over problems and seeds) of each row's pass@k curve,
+    at ``bootstrap.band_ks`` of its samples per problem."""
+    parts = []
+    for row in rows:
+        for ds in datasets:
+            shape = pv.shape(row, ds)
+            if isinstance(shape, str):
+                continue
+            ks = bootstrap.band_ks(shape[1])
+            values, _ = pv.values(row, ds, ks)
+            _, lo, hi = bootstrap.mean_band(values, draws=draws, rng_seed=rng_seed)
+            parts.append(pd.DataFrame({"row": row, "dataset": ds, "k": ks, "lo": lo, "hi": hi}))
+    columns = ["row", "dataset", "k", "lo", "hi"]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+
+
+def few_seeds_warning(meas: pd.DataFrame, asked: Sequence[int], min_seeds: int) -> str | None:
+    """One line naming the Table 1 methods (trained rows) with fewer than ``min_seeds`` training seeds."""
+    trained = meas[(meas["label"] == "trained") & meas["seed"].isin(asked)]
+    counts = trained.groupby("row")["seed"].nunique()
+    few = [(r, int(counts[r])) for r in sorted(counts.index, key=tables.row_key) if counts[r] < min_seeds]
+    if not few:
+        return None
+    listed = ", ".join(f"{r} ({n})" for r, n in few)
+    return (
+        f"fewer than {min_seeds} training seeds for Table 1 methods: {listed}; their intervals rest on few "
+        "seeds (issue 15 asks for at least 5)"
+    )
+
+
 def perplexity_table(ppl: pd.DataFrame) -> Table:
     rows = []
     for row in sorted(ppl["row"].unique(), key=tables.row_key):
@@ -230,6 +352,7 @@ class Report:
     tables: dict[str, Table]
     figures: dict[str, Path]
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 def make_report(
@@ -248,6 +371,10 @@ def make_report(
     digits: int = 3,
     extra_ks: Sequence[int] = (),
     includes: Sequence[Path] = (),
+    reference: str = "grpo",
+    draws: int = 2000,
+    rng_seed: int = 0,
+    min_seeds: int = 5,
 ) -> Report:
     sel = select(client, experiment, run_ids, filter_string, seeds)
     runs, asked = sel.runs, sel.seeds
@@ -280,6 +407,41 @@ def make_report(
         t = tables.ablation_table(meas, asked, {ds: kx for ds in ks})
         t.name = f"ablation_k{kx}"
         add(t, f"Methods at pass@{kx}")
+    datasets = sorted(ks)
+    warnings = [w for w in [few_seeds_warning(meas, asked, min_seeds)] if w]
+    pv = None
+    if draws > 0:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            pv = ProblemValues(client, src, datasets, asked, Path(tmp_name))
+        notes += pv.notes
+        trained_rows = sorted(src.loc[src["label"] == "trained", "row"].unique(), key=tables.row_key)
+        base_rows = sorted(src.loc[src["label"] == "base", "row"].unique())
+        columns = [(ds, kk) for ds in datasets for kk in dict.fromkeys([1, ks[ds], *extra_ks])]
+        how = (
+            f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} paired "
+            f"bootstrap interval ({draws} draws of problems and of seeds, RNG seed {rng_seed}; seeds paired "
+            f"when both rows ran the same seeds); `{tables.MARKER}`: the interval excludes 0. "
+            + NOISE_SENTENCE
+        )
+        ref_row = load.METHOD_NAMES.get(reference, reference)
+        if ref_row in trained_rows:
+            others = [r for r in trained_rows if r != ref_row]
+            t = difference_table(
+                pv, others, ref_row, columns, asked, draws=draws, rng_seed=rng_seed,
+                name="diff_vs_reference", title=f"each method minus {ref_row}: pass@1 and pass@k",
+            )  # fmt: skip
+            add(t, f"Differences against {ref_row}", how)
+        else:
+            notes.append(f"no differences against {ref_row!r}: no trained row of that name (--reference)")
+        if len(base_rows) == 1:
+            t = difference_table(
+                pv, trained_rows, base_rows[0], columns, asked, draws=draws, rng_seed=rng_seed,
+                name="diff_vs_base", title="each method minus the start model (base): pass@1 and pass@k",
+            )  # fmt: skip
+            add(t, "Differences against the start model", how)
+        else:
+            notes.append(f"no differences against base: {len(base_rows)} base rows (one start model needed)")
+
     grids = grid_tables(runs, meas[meas["label"] == "trained"], asked, ks)
     for g in grids:
         add(g, "Branch threshold x ratio (Table 6)")
@@ -302,7 +464,6 @@ def make_report(
         "Gradient norm by thirds of training (Table 5)",
     )
 
-    datasets = sorted(ks)
     frames = analysis_frames(runs, src, datasets)
     rows_all = sorted(src["row"].unique(), key=tables.row_key)
     for kind, name, heading, title, text in ANALYSES:
@@ -336,9 +497,17 @@ def make_report(
     if curves.empty:
         notes.append("no pass@k curve figure: no run logged eval/<label>/<dataset>/pass_at_k_curve")
     else:
-        for p in figures.passk_curves(curves[["row", "seed", "dataset", "k", "value"]], figures_dir):
+        rows = sorted(curves["row"].unique(), key=tables.row_key)
+        bands = curve_bands(pv, rows, datasets, draws, rng_seed) if pv is not None else None
+        band_text = (
+            f"bands: {bootstrap.LEVEL:.0%} bootstrap interval over problems and training seeds"
+            if bands is not None and len(bands)
+            else "bands: mean ± std over training seeds"
+        )
+        for p in figures.passk_curves(curves[["row", "seed", "dataset", "k", "value"]], figures_dir, bands):
             figs[p.stem] = p
-            sections.append(_figure(p, out, f"pass@k curves ({p.stem.removeprefix('passk_')}), Figure 3"))
+            caption = f"pass@k curves ({p.stem.removeprefix('passk_')}), Figure 3; {band_text}"
+            sections.append(_figure(p, out, caption))
 
     tsrc = src[src["label"] == "trained"]
     reward = tsrc.merge(load.history_frame(client, list(tsrc["run_id"]), "train/reward"), on="run_id")
@@ -363,17 +532,23 @@ def make_report(
 
     head = f"# Results: {'selected runs' if run_ids else 'experiment ' + experiment}\n\n"
     head += provenance(uri, experiment, run_ids, sel) + "\n\n"
+    head += "".join(f"**Warning:** {w}\n\n" for w in warnings)
     head += (
         "Cells: mean ± std (ddof=1) over training seeds; `± —`: one seed; `(n/m seeds)`: fewer seeds than "
         "asked, the mean is over those present.\n"
     )
+    if {"diff_vs_reference", "diff_vs_base"} & set(made):
+        head += (
+            f"Differences between methods are shown with {bootstrap.LEVEL:.0%} paired bootstrap intervals "
+            f"over problems and seeds, `{tables.MARKER}` where the interval excludes 0. {NOISE_SENTENCE}\n"
+        )
     note_text = "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""
     # Included files (another sage-report, a measurement, a written reading) follow verbatim.
     included = "".join("\n" + Path(f).read_text() for f in includes)
     markdown = head + "\n" + "\n".join(sections) + note_text + included
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown)
-    return Report(markdown, made, figs, notes)
+    return Report(markdown, made, figs, notes, warnings)
 
 
 def _figure(path: Path, out: Path, caption: str) -> str:
@@ -400,6 +575,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--extra-k", default="", help="also tabulate methods at these k, e.g. 8 (comma-separated)")
     p.add_argument(
         "--include", type=Path, action="append", default=[], help="Markdown file appended verbatim"
+    )
+    p.add_argument(
+        "--reference",
+        default="grpo",
+        help="method the differences are taken against: a conf/experiment preset (grpo) or a row name",
+    )
+    p.add_argument(
+        "--bootstrap", type=int, default=2000, help="bootstrap draws of the intervals; 0: no intervals"
+    )
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="RNG seed of the bootstrap (reproducible)")
+    p.add_argument(
+        "--min-seeds", type=int, default=5, help="warn when a Table 1 method has fewer training seeds"
     )
     return p.parse_args(argv)
 
@@ -433,12 +620,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             digits=args.digits,
             extra_ks=[int(x) for x in args.extra_k.split(",") if x.strip()],
             includes=args.include,
+            reference=args.reference,
+            draws=args.bootstrap,
+            rng_seed=args.bootstrap_seed,
+            min_seeds=args.min_seeds,
         )
     except ReportError as e:
         print(f"sage-report: {e}", file=sys.stderr)
         return 2
     for n in rep.notes:
         print(f"note: {n}", file=sys.stderr)
+    for w in rep.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     print(f"report: {args.out} ({len(rep.tables)} tables, {len(rep.figures)} figures)")
     return 0
 

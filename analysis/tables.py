@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from analysis.bootstrap import Interval
 from analysis.load import ROW_ORDER
 
 SEED_FRAME = ["row", "seed", "column", "value"]
@@ -46,7 +47,32 @@ def stat(values: Sequence[float], asked: int) -> Stat:
     return Stat(float(np.mean(vals)), std, len(vals), asked)
 
 
-Cell = Stat | str
+@dataclass(frozen=True)
+class Diff:
+    """A difference of means (method minus reference) with its bootstrap interval, always shown together:
+    ``+0.031 [0.012, 0.050] *``. ``*``: the interval excludes 0 and seed noise was resampled (see
+    ``analysis.bootstrap``); with one training seed the cell says the interval covers problem noise only.
+    ``n``: the method's seeds with data, ``ref_n``: the reference's, ``asked``: the seeds asked for."""
+
+    interval: Interval
+    n: int
+    ref_n: int
+    asked: int
+
+    def text(self, digits: int = 3) -> str:
+        i = self.interval
+        out = f"{i.diff:+.{digits}f} [{i.lo:.{digits}f}, {i.hi:.{digits}f}]"
+        if i.marked:
+            out += " " + MARKER
+        if not i.seeds_resampled:
+            out += " (1 seed: problem noise only)"
+        elif min(self.n, self.ref_n) < self.asked:
+            out += f" ({self.n}/{self.asked} seeds, reference {self.ref_n}/{self.asked})"
+        return out
+
+
+MARKER = "*"
+Cell = Stat | Diff | str
 
 
 @dataclass
@@ -111,16 +137,32 @@ def to_latex(t: Table, digits: int = 3) -> str:
         r"\midrule",
     ]
     for name, cells in t.rows:
-        texts = [_text(c, digits, pm=r"$\pm$") if isinstance(c, Stat) else esc(c) for c in cells]
+        texts = [_text(c, digits, pm=r"$\pm$") if not isinstance(c, str) else esc(c) for c in cells]
         lines.append(" & ".join([esc(name), *(x.replace("—", "--") for x in texts)]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines)
 
 
+DIFF_CSV = ["row", "column", "diff", "lo", "hi", "excludes_zero", "marked", "seeds", "ref_seeds", "asked"]
+
+
 def to_csv(t: Table) -> str:
-    """Tidy numbers, one line per cell: row, column, mean, std, seeds, asked, text."""
+    """Tidy numbers, one line per cell: row, column, mean, std, seeds, asked, text; a table of differences
+    (``Diff`` cells): row, column, diff, lo, hi, excludes_zero, marked, seeds, ref_seeds, asked,
+    paired_by_seed, text."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
+    if any(isinstance(c, Diff) for _, cells in t.rows for c in cells):
+        w.writerow([*DIFF_CSV, "paired_by_seed", "text"])
+        for name, cells in t.rows:
+            for col, c in zip(t.columns, cells, strict=True):
+                if isinstance(c, Diff):
+                    i = c.interval
+                    nums = [repr(i.diff), repr(i.lo), repr(i.hi), i.excludes_zero, i.marked]
+                    w.writerow([name, col, *nums, c.n, c.ref_n, c.asked, i.paired_by_seed, c.text()])
+                else:
+                    w.writerow([name, col, *[""] * (len(DIFF_CSV) - 1), c])
+        return buf.getvalue()
     w.writerow(["row", "column", "mean", "std", "seeds", "asked", "text"])
     for name, cells in t.rows:
         for col, c in zip(t.columns, cells, strict=True):
@@ -132,7 +174,9 @@ def to_csv(t: Table) -> str:
 
 
 def _text(c: Cell, digits: int, pm: str = "±") -> str:
-    return c.text(digits, pm) if isinstance(c, Stat) else c
+    if isinstance(c, Stat):
+        return c.text(digits, pm)
+    return c.text(digits) if isinstance(c, Diff) else c
 
 
 def _num(v: float | None) -> str:
