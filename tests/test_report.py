@@ -326,6 +326,35 @@ def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
 
 
 @pytest.mark.slow
+def test_intervals_from_the_real_runs_correctness_matrices(store, built):
+    """The differences are computed from the logged correctness matrices, and reproduce the logged pass@k
+    metrics; the intervals contain them; two seeds are below the five Table 1 asks for."""
+    vs_grpo, vs_base = built.tables["diff_vs_reference"], built.tables["diff_vs_base"]
+    assert [r for r, _ in vs_grpo.rows] == [BRANCH, BRANCH5]
+    assert [r for r, _ in vs_base.rows] == [GRPO, BRANCH, BRANCH5]
+    assert vs_grpo.columns == vs_base.columns == [f"{DS} pass@1", f"{DS} pass@4"]
+
+    def mean(names, label, k):
+        return np.mean([logged(store, r, f"eval/{label}/{DS}/pass_at_{k}") for r in names])
+
+    for k in (1, 4):
+        cell = vs_grpo.cell(BRANCH, f"{DS} pass@{k}")
+        want = mean(["b0", "b1"], "trained", k) - mean(["g0", "g1"], "trained", k)
+        assert cell.interval.diff == pytest.approx(want, abs=1e-12)
+        assert cell.interval.lo <= cell.interval.diff <= cell.interval.hi
+        assert cell.interval.paired_by_seed and (cell.n, cell.ref_n) == (2, 2)
+        base = vs_base.cell(GRPO, f"{DS} pass@{k}")
+        assert base.interval.diff == pytest.approx(mean(["g0", "g1"], "trained", k) - mean(["g0"], "base", k))
+        one = vs_grpo.cell(BRANCH5, f"{DS} pass@{k}")  # one seed: never marked
+        assert not one.interval.marked and "(1 seed: problem noise only)" in one.text()
+    assert built.warnings and built.warnings[0].startswith("fewer than 5 training seeds for Table 1 methods:")
+    assert f"**Warning:** {built.warnings[0]}" in built.markdown and report.NOISE_SENTENCE in built.markdown
+    csv = (store["root"] / "report" / "tables" / "diff_vs_base.csv").read_text()
+    assert csv.startswith("row,column,diff,lo,hi,excludes_zero,marked,")
+    assert "bands: 95% bootstrap interval over problems and training seeds" in built.markdown
+
+
+@pytest.mark.slow
 def test_figure_2_uses_the_periodic_held_out_accuracy(store, built):
     assert len(history(store, "g0", f"eval/periodic/{DS}/pass_at_1")) == 3  # eval.every_steps=1, 3 steps
     assert not any("eval/periodic" in n for n in built.notes)
