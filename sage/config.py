@@ -446,7 +446,8 @@ def check_eval(eval_cfg: DictConfig) -> None:
 
 
 def exit_on_config_error(fn: Any, cfg: DictConfig) -> Any:
-    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2."""
+    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2, and Ctrl-C
+    one line and exit code 130 (the shell's for SIGINT), after the MLflow run was closed KILLED."""
     import sys
 
     try:
@@ -454,3 +455,15 @@ def exit_on_config_error(fn: Any, cfg: DictConfig) -> Any:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # Progress bars left open would redraw themselves over the message at exit: close them first.
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+        print(
+            "interrupted (Ctrl-C): the MLflow run is marked KILLED; finished checkpoints and evaluation "
+            "cells are kept (rerun with resume=true to continue)",
+            file=sys.stderr,
+        )
+        sys.exit(130)

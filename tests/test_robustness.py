@@ -378,3 +378,37 @@ def test_no_warning_is_repeated_and_the_evaluation_shows_progress(short_run):
     assert not [w for w, n in warnings.items() if n > 1], warnings
     assert not [w for w, _ in warnings if w == "FutureWarning"], warnings
     assert re.search(r"eval arith_heldout: 100%.* 20/20", stderr)  # 5 problems x 4 samples, a bar each
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_is_one_line_and_the_run_is_killed(tmp_path):
+    """A real SIGINT once training has started: exit code 130, one line on what was kept after the progress
+    output (no traceback), and the MLflow run closed KILLED."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sage.train", "trl.max_steps=200", f"output_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": uri},
+    )
+    try:
+        deadline = time.monotonic() + 600
+        for line in proc.stdout:  # the console prints one line per optimiser step
+            if line.startswith("step 2/") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C): the MLflow run is marked KILLED")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
+    assert run.info.status == "KILLED"
