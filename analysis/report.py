@@ -6,7 +6,9 @@
 
 Writes the report, every table also as ``<tables-dir>/<name>.{md,tex,csv}``, and the figures as PNGs.
 Only finished ``sage-train`` runs count; a row is one method at one config (see ``analysis.load``), its
-cells mean ± std over the training seeds asked (``--seeds``, default: every seed present).
+cells mean ± std over the training seeds asked (``--seeds``, default: every seed present). Differences
+between rows (each minus ``--reference`` and minus base) always carry their paired bootstrap interval over
+problems and seeds (``analysis.bootstrap``), from the correctness matrices each evaluation logged.
 """
 
 from __future__ import annotations
@@ -416,7 +418,7 @@ def make_report(
         notes += pv.notes
         trained_rows = sorted(src.loc[src["label"] == "trained", "row"].unique(), key=tables.row_key)
         base_rows = sorted(src.loc[src["label"] == "base", "row"].unique())
-        columns = [(ds, kk) for ds in datasets for kk in dict.fromkeys([1, ks[ds], *extra_ks])]
+        columns = [(ds, kk) for ds in datasets for kk in sorted({1, ks[ds], *extra_ks})]
         how = (
             f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} paired "
             f"bootstrap interval ({draws} draws of problems and of seeds, RNG seed {rng_seed}; seeds paired "
@@ -499,11 +501,12 @@ def make_report(
     else:
         rows = sorted(curves["row"].unique(), key=tables.row_key)
         bands = curve_bands(pv, rows, datasets, draws, rng_seed) if pv is not None else None
-        band_text = (
-            f"bands: {bootstrap.LEVEL:.0%} bootstrap interval over problems and training seeds"
-            if bands is not None and len(bands)
-            else "bands: mean ± std over training seeds"
-        )
+        band_text = "bands: mean ± std over training seeds"
+        if bands is not None and len(bands):
+            band_text = f"bands: {bootstrap.LEVEL:.0%} bootstrap interval over problems and training seeds"
+            without = [r for r in rows if r not in set(bands["row"])]
+            if without:  # no correctness matrices logged for them
+                band_text += f" (mean ± std over seeds for {', '.join(without)})"
         for p in figures.passk_curves(curves[["row", "seed", "dataset", "k", "value"]], figures_dir, bands):
             figs[p.stem] = p
             caption = f"pass@k curves ({p.stem.removeprefix('passk_')}), Figure 3; {band_text}"
