@@ -214,13 +214,17 @@ def history_frame(client, run_ids: Sequence[str], key: str) -> pd.DataFrame:
 
 
 def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
-    """The logged pass@k curves (step = k): run_id, label, dataset, k, value."""
+    """The logged pass@k curves (step = k): run_id, label, dataset, k, value. A run extended after its
+    evaluation (``resume=true`` with a larger ``trl.max_steps``) logs its trained curve again at the same k,
+    and MLflow keeps both points: the latest one per k is the curve of the run's final model."""
     parts = []
     for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
         for key in metrics:
             m = CURVE_KEY.match(key)
             if m:
-                h = history_frame(client, [run_id], key).rename(columns={"step": "k"})
+                points = sorted(client.get_metric_history(run_id, key), key=lambda p: (p.step, p.timestamp))
+                latest = {p.step: p.value for p in points}  # later points of the same k overwrite
+                h = pd.DataFrame({"run_id": run_id, "k": list(latest), "value": list(latest.values())})
                 parts.append(h.assign(label=m["label"], dataset=m["dataset"]))
     columns = ["run_id", "label", "dataset", "k", "value"]
     return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)

@@ -76,6 +76,25 @@ def test_thirds_of_training():
     assert tables.thirds([1, 2]) is None  # a third would be empty
 
 
+def test_curve_of_an_extended_run_is_its_latest(tmp_path):
+    """An extended run logs its trained pass@k curve again at the same k; the report takes the latest."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    key = "eval/trained/arith_heldout/pass_at_k_curve"
+    for values in ([0.2, 0.5], [0.3, 0.6]):  # the run's first model, then the extended one
+        now = int(time.time() * 1000)
+        for k, v in zip([1, 2], values, strict=True):
+            client.log_metric(run_id, key, v, step=k, timestamp=now)
+        time.sleep(0.01)
+    curves = load.curve_frame(client, pd.DataFrame({"run_id": [run_id], "metrics": [{key: 0.6}]}))
+    assert curves[["k", "value"]].values.tolist() == [[1, 0.3], [2, 0.6]]
+    assert set(curves["label"]) == {"trained"} and set(curves["dataset"]) == {"arith_heldout"}
+
+
 def test_method_labels_and_rows():
     p: dict[str, str] = {"trl.max_steps": "100"}
     assert load.method_label({"method": "grpo_nokl"}, p, "r") == "GRPO w/o KL"
