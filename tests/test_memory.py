@@ -87,10 +87,13 @@ def test_estimate_terms_by_hand():
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k not in ("total", "gpu")))
 
 
-def plan(*overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "sage.train.memory", *overrides], capture_output=True, text=True, timeout=300
-    )
+def plan(capsys, *overrides) -> tuple[int, str, str]:
+    """``python -m sage.train.memory <overrides>``, in this process: (exit code, stdout, stderr)."""
+    from sage.train.memory import main
+
+    code = main(list(overrides))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize(
@@ -102,10 +105,12 @@ def plan(*overrides):
         ("qwen2.5-3b-instruct", 2048),
     ],
 )
-def test_each_paper_model_fits_an_80_gib_gpu(model, completion):
-    r = plan(f"model={model}", "trl=paper", "rollout=vllm", "data=dapo_math_17k", "gpu_gib=80")
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    lines = r.stdout.strip().splitlines()
+def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion):
+    code, out, err = plan(
+        capsys, f"model={model}", "trl=paper", "rollout=vllm", "data=dapo_math_17k", "gpu_gib=80"
+    )
+    assert code == 0, out + err[-2000:]
+    lines = out.strip().splitlines()
     assert lines[1].startswith("batch: 1 completions per forward pass x 64 accumulation steps x 1 processes")
     assert (
         "(8 prompts x 8 generations)" in lines[1] and f"(1024 prompt + {completion} completion)" in lines[1]
@@ -113,13 +118,28 @@ def test_each_paper_model_fits_an_80_gib_gpu(model, completion):
     assert "of 80.0 GiB, fits" in lines[2] and "vllm 40.0" in lines[2]
 
 
-def test_a_micro_batch_that_does_not_fit_exits_1():
-    r = plan("model=r1-distill-qwen-7b", "trl=paper", "rollout=vllm", "trl.per_device_train_batch_size=8")
-    assert r.returncode == 1
-    assert "DOES NOT FIT" in r.stdout
+def test_a_micro_batch_that_does_not_fit_exits_1(capsys):
+    code, out, _ = plan(
+        capsys, "model=r1-distill-qwen-7b", "trl=paper", "rollout=vllm", "trl.per_device_train_batch_size=8"
+    )
+    assert code == 1
+    assert "DOES NOT FIT" in out
 
 
-def test_unknown_model_without_config_is_one_line():
-    r = plan("model=qwen2.5-math-7b", "model.source.repo_id=some/unknown-model", "trl=paper")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith("error: model.source.repo_id='some/unknown-model'")
+def test_unknown_model_without_config_is_one_line(capsys):
+    code, _, err = plan(
+        capsys, "model=qwen2.5-math-7b", "model.source.repo_id=some/unknown-model", "trl=paper"
+    )
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [err.strip().splitlines()[0]]  # one line
+    assert err.startswith("error: model.source.repo_id='some/unknown-model'")
+
+
+def test_the_command_line_runs_as_a_module():
+    r = subprocess.run(
+        [sys.executable, "-m", "sage.train.memory", "model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and ", fits (" in r.stdout, r.stderr[-2000:]
