@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -365,3 +367,21 @@ def test_pool_grades_each_item_by_its_verifier() -> None:
             grading_pool.grade_many(["a"], ["1"], ["code"])
         with pytest.raises(ValueError, match="1 verifiers but 2 gold answers"):
             grading_pool.grade_many(["a", "b"], ["1", "2"], ["math"])
+
+
+def test_the_deadline_fires_when_sigalrm_is_blocked():
+    """A library can leave SIGALRM blocked in the main thread of a long-lived process; the alarm would then
+    never arrive and a LaTeX bomb would run unbounded (seen in the full test session). The deadline unblocks
+    it for the call and restores the mask. In a subprocess, so that a regression fails instead of hanging."""
+    code = (
+        "import signal, time\n"
+        "from sage.data.verifiers import grade\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])\n"
+        "t = time.monotonic()\n"
+        "score = grade('<SOLUTION>10^{10^{10}}</SOLUTION>', '7', timeout_s=1.0)\n"
+        "print(score, time.monotonic() - t, signal.SIGALRM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    score, seconds, still_blocked = r.stdout.split()
+    assert float(score) == 0.0 and float(seconds) < 10 and still_blocked == "True"

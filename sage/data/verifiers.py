@@ -69,6 +69,9 @@ def _deadline(seconds: float) -> Iterator[None]:
         raise _GradeTimeout
 
     previous = signal.signal(signal.SIGALRM, _raise)
+    # A library may leave SIGALRM blocked in the main thread (masks are inherited and some code blocks
+    # signals around thread starts); a blocked alarm is never delivered and the deadline would not fire.
+    blocked = signal.SIGALRM in signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
     try:
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
@@ -78,6 +81,8 @@ def _deadline(seconds: float) -> Iterator[None]:
     finally:
         # Separate finally: if the alarm fires just before it is disarmed, the handler is still restored.
         signal.signal(signal.SIGALRM, previous)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
 
 
 def _brace_depths(text: str, start: int, depth: int) -> Iterator[tuple[int, int]]:
