@@ -330,12 +330,22 @@ def perplexity_table(ppl: pd.DataFrame) -> Table:
     return Table("perplexity", title, columns, rows)
 
 
+def portable_uri(uri: str) -> str:
+    """The store as a report may record it: credentials redacted, and a SQLite file relative to the folder
+    sage-report ran from (a machine's absolute paths do not belong in committed results)."""
+    uri = redact(uri)
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and os.path.isabs(uri[len(prefix) :]):
+        return prefix + os.path.relpath(uri[len(prefix) :])
+    return uri
+
+
 def provenance(uri: str, experiment: str, run_ids: Sequence[str], sel: Selection) -> str:
     commits = sel.runs["git_commit"].value_counts()
     commit_text = ", ".join(f"`{c[:12]}` ({n} runs)" for c, n in commits.items())
     what = f"runs {', '.join(run_ids)}" if run_ids else f"experiment `{experiment}`"
     return (
-        f"Provenance: {what} in `{redact(uri)}`; {len(sel.runs)} finished sage-train runs used"
+        f"Provenance: {what} in `{portable_uri(uri)}`; {len(sel.runs)} finished sage-train runs used"
         f" ({sel.skipped} left out); seeds asked {sel.seeds}; git commits: {commit_text};"
         f" generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by sage-report."
     )

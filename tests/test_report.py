@@ -387,3 +387,10 @@ def test_params_that_follow_the_training_seed_do_not_split_rows():
         for s, r in [(1, "0.3"), (2, "0.3"), (3, "0.5")]
     ]
     assert varying_params(runs) == ["guide.ratio"]
+
+
+def test_provenance_records_a_relative_store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "outputs" / "mlflow.db"
+    assert report.portable_uri(f"sqlite:///{db}") == "sqlite:///outputs/mlflow.db"
+    assert report.portable_uri("postgresql://user:pw@host/db") == "postgresql://***@host/db"
