@@ -10,8 +10,6 @@ Outside a multi-process launch every helper here is a no-op (one process is the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 
@@ -70,15 +68,3 @@ def broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-@contextmanager
-def main_first() -> Iterator[None]:
-    """The block runs on the main process first, then on the others (which then find its result)."""
-    if not is_main():
-        barrier()
-    try:
-        yield
-    finally:
-        if is_main():
-            barrier()
