@@ -90,6 +90,18 @@ def content_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _tmp_prefix(final: Path) -> str:
+    return f".tmp-{final.name}-"
+
+
+def _remove_stale_builds(final: Path) -> None:
+    """Temporary folders of earlier builds of ``final`` whose process was killed before its ``finally``
+    (SIGKILL, preemption, OOM). Called under ``final``'s lock, so no live build owns them."""
+    for stale in final.parent.glob(_tmp_prefix(final) + "*"):
+        log.info("removing the folder of an interrupted build: %s", stale.name)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def build_once(final: Path, marker: str, build: Callable[[Path], None], collective: bool = False) -> Path:
     """``final`` built by ``build(tmp_folder)`` exactly once, however many processes ask at the same time.
 
@@ -112,7 +124,8 @@ def build_once(final: Path, marker: str, build: Callable[[Path], None], collecti
         if (final / marker).exists():
             log.info("built by a concurrent job: %s", final)
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        _remove_stale_builds(final)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
         try:
             build(tmp)
             if not (tmp / marker).exists():
@@ -138,7 +151,8 @@ def _build_collectively(final: Path, marker: str, build: Callable[[Path], None])
         lock = open(final.parent / f".{final.name}.lock", "w")  # noqa: SIM115 (held across the collective build)
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / marker).exists():
-            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=final.parent)
+            _remove_stale_builds(final)
+            tmp = tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent)
     tmp = distributed.broadcast(tmp)
     try:
         if tmp is not None:
