@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sage.config import ConfigError
 from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
-from sage.testbed.model import BUILD_INFO_FILE, build_tiny_model, lr_factor
+from sage.testbed.model import BUILD_INFO_FILE, build_tiny_model, config_hash, lr_factor
 from sage.testbed.task import (
+    CARRY,
+    GRADED_RULES,
     STRATEGIES,
     arith_dataset,
     classify_strategy,
@@ -26,6 +29,7 @@ from sage.testbed.task import (
     make_problems,
     split_of,
     teacher_completion,
+    tier_of,
 )
 from sage.testbed.tokenizer import TAGS, build_tokenizer
 
@@ -259,3 +263,49 @@ def test_tokenizer_reloads_from_a_model_folder_as_built(tmp_path, chat):
         built.pad_token,
         "left",
     )
+
+
+def test_graded_teacher_follows_its_tier_and_strategy_rule() -> None:
+    """In the graded world a trace is wrong with the slip probability of its (tier, strategy) cell, or,
+    for a CARRY cell, always and always the same way exactly when the units product carries: direct
+    fails hard problems, and on tail problems only the rare ``round`` ever succeeds."""
+    rng = random.Random(0)
+    problems = make_problems("train", 20000, 0)
+    wrong: Counter = Counter()
+    seen: Counter = Counter()
+    for p in problems:
+        for _ in range(3):
+            completion, strategy = teacher_completion(p["a"], p["b"], p["c"], rng, world="graded")
+            assert classify_strategy(completion) == strategy
+            rule = GRADED_RULES[tier_of(p["b"])][strategy]
+            if rule == CARRY:
+                carries = p["a"] % 10 * p["b"] >= 10
+                dropped = p["a"] * p["b"] - p["a"] % 10 * p["b"] // 10 * 10 + p["c"]
+                assert extract_answer(completion) == str(dropped if carries else int(p["answer"]))
+                continue
+            cell = (tier_of(p["b"]), strategy)
+            seen[cell] += 1
+            wrong[cell] += not is_correct(completion, p["answer"])
+    for (tier, strategy), n in seen.items():
+        rate = GRADED_RULES[tier][strategy]
+        sd = (rate * (1 - rate) / n) ** 0.5
+        assert abs(wrong[(tier, strategy)] / n - rate) <= 4 * sd + 1e-9, (tier, strategy, n)
+    assert len(seen) == 6  # every slip cell was drawn
+    assert [tier_of(b) for b in range(2, 10)] == ["easy"] * 4 + ["hard"] * 2 + ["tail"] * 2
+    # the arith world ignores tiers: one slip rate everywhere
+    rng = random.Random(1)
+    tail = [p for p in problems if tier_of(p["b"]) == "tail"][:2000]
+    ok = sum(is_correct(teacher_completion(p["a"], p["b"], p["c"], rng)[0], p["answer"]) for p in tail)
+    assert ok / len(tail) > 0.9
+
+
+def test_the_world_is_part_of_the_build_key_and_arith_keeps_the_old_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.source.world must be one of arith, graded, got 'flat'"):
+        build_tiny_model(**TINY, world="flat", cache_dir=str(tmp_path))
+    arith = Path(build_tiny_model(**TINY, cache_dir=str(tmp_path)))
+    graded = Path(build_tiny_model(**TINY, world="graded", cache_dir=str(tmp_path)))
+    assert arith != graded
+    info = json.loads((arith / BUILD_INFO_FILE).read_text())["config"]
+    assert "world" not in info  # builds made before the graded world existed are still found by their key
+    assert arith.name == config_hash(info)
+    assert json.loads((graded / BUILD_INFO_FILE).read_text())["config"]["world"] == "graded"

@@ -23,7 +23,15 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from sage import paths
-from sage.testbed.task import DEFAULT_SLIP_RATE, DEFAULT_STRATEGY_PROBS, make_problems, teacher_completion
+from sage.config import ConfigError
+from sage.testbed.task import (
+    DEFAULT_SLIP_RATE,
+    DEFAULT_STRATEGY_PROBS,
+    GRADED_RULES,
+    WORLDS,
+    make_problems,
+    teacher_completion,
+)
 from sage.testbed.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,7 @@ def build_tiny_model(
     slip_rate: float = DEFAULT_SLIP_RATE,
     seed: int = 0,
     chat: bool = False,
+    world: str = "arith",
     cache_dir: str | None = None,
 ) -> str:
     """Path of a folder with the trained model and tokenizer (``save_pretrained`` of both), training it
@@ -65,7 +74,11 @@ def build_tiny_model(
 
     ``chat``: the ``tiny_chat`` base, with the ChatML tokenizer. It is trained on the same bare problems
     and traces (ending in ``<|im_end|>``), never on a chat turn: like a pretrained base model it has to be
-    taught the chat format by the SFT stage."""
+    taught the chat format by the SFT stage.
+
+    ``world``: the teacher's world (:data:`sage.testbed.task.WORLDS`)."""
+    if world not in WORLDS:
+        raise ConfigError(f"model.source.world must be one of {', '.join(WORLDS)}, got {world!r}")
     config = {
         "format_version": BUILD_FORMAT_VERSION,
         "hidden_size": hidden_size,
@@ -81,8 +94,12 @@ def build_tiny_model(
         "slip_rate": slip_rate,
         "seed": seed,
     }
-    if chat:  # only then: the plain model's cache key (and its cached builds) stay what they were
+    # only when set: the keys of the first builds (and so their cached models) stay what they were
+    if chat:
         config["chat"] = True
+    if world != "arith":  # its rules too: a change of the graded teacher is a new base model
+        config["world"] = world
+        config["world_rules"] = GRADED_RULES
     root = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
@@ -145,7 +162,13 @@ def _teacher_examples(
     for _ in range(config["train_steps"] * config["batch_size"]):
         p = rng.choice(problems)
         completion, _ = teacher_completion(
-            p["a"], p["b"], p["c"], rng, tuple(config["strategy_probs"]), config["slip_rate"]
+            p["a"],
+            p["b"],
+            p["c"],
+            rng,
+            tuple(config["strategy_probs"]),
+            config["slip_rate"],
+            config.get("world", "arith"),
         )
         prompt_ids = tokenizer(p["problem"], add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]

@@ -36,6 +36,28 @@ DEFAULT_STRATEGY_PROBS = (0.8, 0.15, 0.05)
 DEFAULT_SLIP_RATE = 0.04
 """Each slip corrupts exactly one digit and propagates, so this is also the teacher's error rate."""
 
+WORLDS = ("arith", "graded")
+"""``arith``: every strategy is as reliable on every problem (one slip rate), the world of the first
+testbed results. ``graded``: how reliable a strategy is depends on the problem's tier (:func:`tier_of`),
+so that collapsing onto the dominant strategy loses problems only a rare one solves."""
+TIERS = ("easy", "hard", "tail")
+CARRY = "carry"
+"""A systematic error instead of a slip rate: the strategy drops the carry of the units product (47*8 is
+written 326: 4*8=32 tens, 7*8=56 written as 6), so its answer is wrong, always the same way, whenever
+that product reaches 10. A model learns a systematic error confidently; random slips would instead teach
+it to guess digits, and a guesser solves every problem at k = 256."""
+GRADED_RULES: dict[str, dict[str, float | str]] = {
+    # The one-shot product of ``direct`` is reliable for small multipliers and drops the carry for large
+    # ones; writing the product in parts (``split``: tens and units) or from the next multiple of ten
+    # (``round``) still works. On ``tail`` problems only the rarest strategy ever succeeds, and seldom:
+    # pass@1 near 0, pass@256 well above 0, the long tail that RLVR is said to lose.
+    "easy": {"direct": 0.04, "split": 0.04, "round": 0.04},
+    "hard": {"direct": CARRY, "split": 0.04, "round": 0.04},
+    "tail": {"direct": CARRY, "split": CARRY, "round": 0.9},
+}
+"""The teacher of the graded world, by tier and strategy: a slip probability, or :data:`CARRY`."""
+
+
 SPLITS = ("train", "heldout")
 _OPS: dict[str, Callable[[int, int], int]] = {"*": operator.mul, "+": operator.add, "-": operator.sub}
 
@@ -50,6 +72,21 @@ def split_of(a: int, b: int, c: int) -> str:
     and every n (a seeded shuffle would not guarantee that across calls)."""
     digest = hashlib.blake2b(problem_text(a, b, c).encode(), digest_size=8).digest()
     return "heldout" if int.from_bytes(digest, "big") % 100 < HELDOUT_PERCENT else "train"
+
+
+def tier_of(b: int) -> str:
+    """A graded problem's tier, by its multiplier: one prompt token, so a model can learn the tiers."""
+    return "easy" if b <= 5 else "hard" if b <= 7 else "tail"
+
+
+def rule_of(world: str, strategy: str, b: int, slip_rate: float = DEFAULT_SLIP_RATE) -> float | str:
+    """The teacher's rule for ``strategy`` on a problem with multiplier ``b``: a slip probability, or
+    :data:`CARRY`."""
+    if world == "arith":
+        return slip_rate
+    if world == "graded":
+        return GRADED_RULES[tier_of(b)][strategy]
+    raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
 
 
 @lru_cache(maxsize=len(SPLITS))
@@ -77,8 +114,9 @@ class _Scribe:
     Later steps use the written (possibly wrong) value, like a student who copies their own mistake.
     """
 
-    def __init__(self, slip_at: int | None, rng: random.Random) -> None:
+    def __init__(self, slip_at: int | None, rng: random.Random, drop_carry: bool = False) -> None:
         self.slip_at = slip_at
+        self.drop_carry = drop_carry
         self.rng = rng
         self.lines: list[str] = []
         self.values: list[int] = []
@@ -91,6 +129,12 @@ class _Scribe:
         self.values.append(result)
         return result
 
+    def product(self, x: int, y: int, written: int) -> int:
+        """``x*y`` written as ``written``: a systematic error, not a slip."""
+        self.lines.append(f"{x}*{y}={written}")
+        self.values.append(written)
+        return written
+
 
 def _slip_digit(value: int, rng: random.Random) -> int:
     """Replace one digit with a different one, never creating a leading zero (so the text stays a number)."""
@@ -102,12 +146,14 @@ def _slip_digit(value: int, rng: random.Random) -> int:
 
 
 def _direct(a: int, b: int, c: int, w: _Scribe) -> int:
+    if w.drop_carry:
+        return w(w.product(a, b, a * b - a % 10 * b // 10 * 10), "+", c)
     return w(w(a, "*", b), "+", c)
 
 
 def _split(a: int, b: int, c: int, w: _Scribe) -> int:
     tens = w(a // 10 * 10, "*", b)
-    units = w(a % 10, "*", b)
+    units = w.product(a % 10, b, a % 10 * b % 10) if w.drop_carry else w(a % 10, "*", b)
     return w(w(tens, "+", units), "+", c)
 
 
@@ -129,17 +175,22 @@ def teacher_completion(
     rng: random.Random,
     strategy_probs: tuple[float, float, float] = DEFAULT_STRATEGY_PROBS,
     slip_rate: float = DEFAULT_SLIP_RATE,
+    world: str = "arith",
 ) -> tuple[str, str]:
     """A worked solution in the paper's tag format and the name of the strategy it used.
 
-    With probability ``slip_rate`` one step's result has one wrong digit; the error propagates, so the
-    final answer is then wrong. A slip that would make a later value negative is redrawn, keeping every
-    trace in the format :func:`classify_strategy` recognises.
+    With probability ``slip_rate`` (in the graded world: the rule of :data:`GRADED_RULES` for the
+    problem's tier and the strategy, which may be the systematic :data:`CARRY` error) one step's result has
+    one wrong digit; the error propagates, so the final answer is
+    then wrong. A slip that would make a later value negative is redrawn, keeping every trace in the
+    format :func:`classify_strategy` recognises.
     """
     strategy = rng.choices(STRATEGIES, weights=strategy_probs)[0]
-    slip_at = rng.randrange(_N_STEPS[strategy]) if rng.random() < slip_rate else None
+    rule = rule_of(world, strategy, b, slip_rate)
+    drop_carry = rule == CARRY
+    slip_at = None if drop_carry else rng.randrange(_N_STEPS[strategy]) if rng.random() < rule else None
     while True:
-        scribe = _Scribe(slip_at, rng)
+        scribe = _Scribe(slip_at, rng, drop_carry)
         answer = _STRATEGY_FNS[strategy](a, b, c, scribe)
         if min(scribe.values) >= 0:
             break
