@@ -30,7 +30,7 @@ END_OF_TURN = {  # what each published template closes an assistant turn with
 def tokenised(dataset, tokenizer, tmp_path, chat=False, model=None):
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=512, bf16=False)
     trainer = SFTTrainer(
-        model=model or build_tiny_model(chat=chat),
+        model=model or build_tiny_model(chat=chat, world="arith"),  # model=tiny_sft and tiny_chat's base
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -65,7 +65,7 @@ def build_tiny_model(
     slip_rate: float = DEFAULT_SLIP_RATE,
     seed: int = 0,
     chat: bool = False,
-    world: str = "arith",
+    world: str = "graded",
     cache_dir: str | None = None,
 ) -> str:
     """Path of a folder with the trained model and tokenizer (``save_pretrained`` of both), training it
@@ -76,7 +76,8 @@ def build_tiny_model(
     and traces (ending in ``<|im_end|>``), never on a chat turn: like a pretrained base model it has to be
     taught the chat format by the SFT stage.
 
-    ``world``: the teacher's world (:data:`sage.testbed.task.WORLDS`)."""
+    ``world``: the teacher's world (:data:`sage.testbed.task.WORLDS`); ``graded`` is ``model=tiny``'s,
+    ``arith`` the first testbed's (``model=tiny_arith``, ``tiny_sft``, ``tiny_chat``)."""
     if world not in WORLDS:
         raise ConfigError(f"model.source.world must be one of {', '.join(WORLDS)}, got {world!r}")
     config = {
