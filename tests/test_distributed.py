@@ -67,7 +67,8 @@ def test_torchrun_two_processes_record_once(tmp_path):
         ]
         assert len(merged) == 1
         # (only this build's: a build killed in another test may have left its own, removed by its next build)
-        assert not list((cache_dir() / "sft").glob(f".tmp-{merged[0].name}-*")), "a temporary SFT folder was left"
+        left = list((cache_dir() / "sft").glob(f".tmp-{merged[0].name}-*"))
+        assert not left, "a temporary SFT folder was left behind"
 
         # RL on 2 processes with the one-process step: 64 completions = 8 prompts x 8 generations
         (line,) = BATCH.findall(r.stdout)
