@@ -309,3 +309,30 @@ def test_the_world_is_part_of_the_build_key_and_arith_keeps_the_old_key(tmp_path
     assert "world" not in info  # builds made before the graded world existed are still found by their key
     assert arith.name == config_hash(info)
     assert json.loads((graded / BUILD_INFO_FILE).read_text())["config"]["world"] == "graded"
+
+
+def test_measure_reports_pass_at_k_per_tier_and_the_targets(tmp_path: Path) -> None:
+    """The command prints each figure and, at k = 256, whether each base-model target is met."""
+    from sage.testbed.measure import targets
+
+    ok = {"pass@1": 0.3, "pass@64": 0.7, "pass@256": 0.8}
+    assert all(targets(ok).values())
+    assert targets({**ok, "pass@1": 0.5}) == {
+        "pass@1 in [0.2, 0.45]": False,
+        "pass@256 in [0.75, 0.95]": True,
+        "pass@256 > pass@64": True,
+    }
+    assert not targets({**ok, "pass@256": 0.7})["pass@256 > pass@64"]
+
+    path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
+    args = ["--model-path", path, "--n-problems", "20", "--k", "256", "--entropy-k", "2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "sage.testbed.measure", *args], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    for name in ("pass@1", "pass@256", "easy_pass@1", "tail_pass@256", "strategy_direct"):
+        assert 0 <= float(lines[name]) <= 1, name
+    assert float(lines["token_entropy_q90"]) >= 0
+    assert float(lines["pass@1"]) <= float(lines["pass@64"]) <= float(lines["pass@256"])
+    assert lines["target pass@256 > pass@64"] in ("met", "NOT met")
