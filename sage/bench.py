@@ -1,4 +1,4 @@
-"""``make bench`` (``python -m sage.bench [--only eval,attention,overhead,run]``): speed and memory
+"""``make bench`` (``python -m sage.bench [--only eval,attention,overhead,train,run]``): speed and memory
 figures, printed as ``name: value`` lines. Every comparison is measured side by side in one run (medians
 over repeats where timing is noisy), since other jobs share the machine's cores.
 
@@ -9,6 +9,8 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
 - attention: the compact decoder's sampling speed with its C++ attention kernel, with eager torch ops and
   with the torch-ops step under ``torch.compile`` (the kernel stays only while neither comes within 10%);
 - overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved;
+- train: median testbed training step time with TRL's own ``generate`` (``rollout=hf``) and with the
+  evaluator's compact sampler (``rollout=fast``), same seed, runs interleaved, and their ratio;
 - run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model.
 """
 
@@ -29,6 +31,7 @@ import torch
 
 PROBLEMS, SAMPLES, REPEATS = 40, 64, 7
 OVERHEAD_STEPS, WARMUP_STEPS, OVERHEAD_PAIRS = 10, 2, 3
+TRAIN_STEPS, TRAIN_PAIRS = 10, 3
 
 
 def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new: int) -> int:
@@ -203,9 +206,10 @@ def _sage_train(overrides: list[str], env: dict[str, str] | None = None) -> tupl
     return time.perf_counter() - t0, peak / 1e9
 
 
-def _median_step_time(out: Path) -> float:
+def _median_per_step(out: Path, key: str = "step_time") -> float:
+    """Median of a per-step figure of a run's log, over the steps after the first WARMUP_STEPS."""
     log = json.loads((out / "train_log.json").read_text())
-    times = [e["step_time"] for e in log if "step_time" in e and e["step"] > WARMUP_STEPS]
+    times = [e[key] for e in log if key in e and e["step"] > WARMUP_STEPS]
     return statistics.median(times)
 
 
@@ -226,12 +230,51 @@ def bench_overhead() -> dict[str, float]:
                         f"output_dir={out}",
                     ]
                 )
-                medians[guide].append(_median_step_time(out))
+                medians[guide].append(_median_per_step(out))
     ratios = [b / n for n, b in zip(medians["none"], medians["branch"], strict=True)]
     return {
         "step_time_s_guide_none": round(statistics.median(medians["none"]), 4),
         "step_time_s_guide_branch": round(statistics.median(medians["branch"]), 4),
         "sage_overhead_ratio": round(statistics.median(ratios), 3),
+    }
+
+
+def bench_train(
+    steps: int = TRAIN_STEPS, pairs: int = TRAIN_PAIRS, overrides: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """The default testbed run's training step (generation, grading, the loss passes and the update: TRL's
+    ``step_time``) with ``rollout=hf`` and ``rollout=fast``. Runs alternate hf, fast, hf, ... so that drifts
+    in machine speed hit both alike; the speedup is the median of the per-pair ratios of median step
+    times. Each run's median completion length is reported too: the two samplers draw different
+    completions, and a speedup bought with shorter ones would show there. ``overrides`` shrink the runs
+    (the tests)."""
+    medians: dict[str, list[float]] = {"hf": [], "fast": []}
+    lengths: dict[str, list[float]] = {"hf": [], "fast": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(pairs):
+            for rollout in ("hf", "fast"):
+                out = Path(tmp) / f"{rollout}-{pair}"
+                _sage_train(
+                    [
+                        f"rollout={rollout}",
+                        f"trl.max_steps={steps}",
+                        "eval.at_end=false",
+                        "tracking.enabled=false",  # timing runs are not experiments
+                        "seed=0",
+                        f"output_dir={out}",
+                        *overrides,
+                    ]
+                )
+                medians[rollout].append(_median_per_step(out))
+                lengths[rollout].append(_median_per_step(out, "completions/mean_length"))
+    ratios = [h / f for h, f in zip(medians["hf"], medians["fast"], strict=True)]
+    return {
+        "train_step_seconds_hf": round(statistics.median(medians["hf"]), 4),
+        "train_step_seconds_fast": round(statistics.median(medians["fast"]), 4),
+        "train_step_speedup": round(statistics.median(ratios), 2),
+        "train_step_speedup_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "train_completion_tokens_hf": round(statistics.median(lengths["hf"]), 1),
+        "train_completion_tokens_fast": round(statistics.median(lengths["fast"]), 1),
     }
 
 
@@ -252,7 +295,13 @@ def bench_run() -> dict[str, float]:
     return out
 
 
-BENCHES = {"eval": bench_eval, "attention": bench_attention, "overhead": bench_overhead, "run": bench_run}
+BENCHES = {
+    "eval": bench_eval,
+    "attention": bench_attention,
+    "overhead": bench_overhead,
+    "train": bench_train,
+    "run": bench_run,
+}
 
 
 def main() -> None:

@@ -259,6 +259,14 @@ class TrainConfig:
         default=False,
         metadata={"help": "DAPO's dynamic-sampling filter: mask groups whose rewards are equal"},
     )
+    rollout_func: Any = field(
+        default=None,
+        metadata={
+            "help": "None: TRL generates the training rollouts itself; else a _partial_ target called with "
+            "(args: GRPOConfig, lora: bool) that returns TRL's rollout_func, with check(model) run on the "
+            "built policy before training (set by rollout=fast)"
+        },
+    )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     method: str | None = field(
         default=None, metadata={"help": "method label for reports (set by the experiment/ presets)"}

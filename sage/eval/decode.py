@@ -480,11 +480,18 @@ class _PromptGrid:
         return y.view(self.p, kv, self.c, g, f).transpose(1, 2).reshape(self.p * self.c, kv, g, f)[self.cell]
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Next token per row from (B, V) logits: greedy at temperature 0, else nucleus sampling (top-k off)."""
+def pick(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, min_p: float = 0.0
+) -> torch.Tensor:
+    """Next token per row from (B, V) logits: greedy at temperature 0, else nucleus sampling (top-k off),
+    keeping only tokens at least ``min_p`` times as likely as the row's most likely one (transformers'
+    min-p; 0: off). Both filters act on the tempered distribution, as in transformers, and commute:
+    min-p drops a tail of the sorted probabilities, which leaves the mass before every kept token."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if min_p > 0.0:  # multinomial renormalises the weights that are left
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     if top_p >= 1.0:
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -598,9 +605,11 @@ def sample_batch(
     eos: torch.Tensor,
     pad_id: int,
     generator: torch.Generator,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling loop of the HF backend, for any :class:`Forward`: (sum(copies), max_new_tokens)
-    sampled ids and each sequence's length (eos included); prompt i gets copies[i] consecutive rows."""
+    sampled ids and each sequence's length (eos included); prompt i gets copies[i] consecutive rows.
+    ``min_p`` as in :func:`pick`."""
     logits = forward.prefill(prompts, copies, max_new_tokens, pad_id)
     dev = forward.device
     total = logits.shape[0]
@@ -610,7 +619,7 @@ def sample_batch(
     running = torch.ones(total, dtype=torch.bool, device=dev)  # batch row has not emitted eos yet
     eos = eos.to(dev)
     for t in range(max_new_tokens):
-        nxt = pick(logits, temperature, top_p, generator)  # (b,)
+        nxt = pick(logits, temperature, top_p, generator, min_p)  # (b,)
         live = rows[running]
         tokens[live, t] = nxt[running]
         done = running & torch.isin(nxt, eos)

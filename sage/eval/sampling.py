@@ -80,13 +80,13 @@ class Sampler(Protocol):
     def close(self) -> None: ...
 
 
-def _chunks(order: list[int], n: int, batch_size: int) -> Iterator[list[tuple[int, int]]]:
-    """Groups of (row, copies) with at most batch_size sequences in all; a row's n samples may span
-    groups when n > batch_size."""
+def _chunks(order: list[int], copies: list[int], batch_size: int) -> Iterator[list[tuple[int, int]]]:
+    """Groups of (row, copies) with at most batch_size sequences in all; row r's copies[r] samples may
+    span groups when they are more than batch_size."""
     chunk: list[tuple[int, int]] = []
     room = batch_size
     for row in order:
-        left = n
+        left = copies[row]
         while left:
             take = min(left, room)
             chunk.append((row, take))
@@ -108,12 +108,16 @@ class HFSampler:
     forward pass op for op with fused projections and a preallocated cache; any other model (or a
     PEFT-wrapped one) through transformers' own forward (slower: ``make bench`` measures both). Both sample
     the same distribution; the choice and its reason are logged, as is the compact decoder's fallback to
-    torch-ops attention where its C++ kernel cannot be built."""
+    torch-ops attention where its C++ kernel cannot be built.
 
-    def __init__(self, model, tokenizer, batch_size: int) -> None:
+    ``eos``: the ids that end a completion (default: the model's generation config's, else the
+    tokenizer's); training rollouts pass TRL's list (``sage.train.rollout``)."""
+
+    def __init__(self, model, tokenizer, batch_size: int, eos: list[int] | None = None) -> None:
         self.model = model
         self.batch_size = batch_size
-        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
         if eos is None:
@@ -145,47 +149,67 @@ class HFSampler:
     def sample(
         self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
     ) -> Samples:
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         out: list[list[str]] = [[] for _ in prompt_ids]
-        generator = torch.Generator(device=self.model.device).manual_seed(s.seed)
-        if self.decoder == "compact":
-            # weights are packed per call: the periodic evaluation sees the current training weights
-            decoder = CompactDecoder(self.model)
-            if decoder.attention_fallback is not None and not self._fallback_logged:
-                log.warning("evaluation attends with torch ops: %s", decoder.attention_fallback)
-                self._fallback_logged = True
-            forward = CompactForward(
-                decoder, self._compact_cache(decoder, s.max_new_tokens, len(prompt_ids) * s.n_samples)
-            )
-        else:
-            forward = TransformersForward(self.model)
-
-        def decode(prompts, copies):
-            return sample_batch(
-                forward,
-                prompts,
-                copies,
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                eos=self.eos,
-                pad_id=self.pad_id,
-                generator=generator,
-            )
-
         n_tokens = 0
-        for chunk in _chunks(order, s.n_samples, self.batch_size):
-            tokens, lengths = decode([prompt_ids[r] for r, _ in chunk], [c for _, c in chunk])
-            n_tokens += int(lengths.sum())
-            texts = self.tokenizer.batch_decode(
-                [t[:n].tolist() for t, n in zip(tokens, lengths, strict=True)], skip_special_tokens=True
-            )
-            rows = [r for r, c in chunk for _ in range(c)]
+        for rows, completions in self.completion_ids(
+            prompt_ids,
+            [s.n_samples] * len(prompt_ids),
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+        ):
+            n_tokens += sum(map(len, completions))
+            texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
             for r, text in zip(rows, texts, strict=True):
                 out[r].append(text)
             if progress is not None:
                 progress(len(texts))
         return Samples(out, n_tokens)
+
+    def completion_ids(
+        self,
+        prompt_ids: list[list[int]],
+        copies: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        min_p: float = 0.0,
+    ) -> Iterator[tuple[list[int], list[list[int]]]]:
+        """copies[i] completions of prompt i, as token ids (eos included), all drawn from one generator
+        seeded with ``seed``; in chunks of at most batch_size sequences, shortest prompts first. Yields
+        per chunk the prompt index of each completion and the completions; a prompt's completions come
+        in the order they were drawn, across chunks too. ``min_p`` as in ``sage.eval.decode.pick``."""
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        if self.decoder == "compact":
+            # weights are packed per call: the periodic evaluation and the training rollouts see the
+            # current training weights
+            decoder = CompactDecoder(self.model)
+            if decoder.attention_fallback is not None and not self._fallback_logged:
+                log.warning("compact decoder attends with torch ops: %s", decoder.attention_fallback)
+                self._fallback_logged = True
+            forward = CompactForward(decoder, self._compact_cache(decoder, max_new_tokens, sum(copies)))
+        else:
+            forward = TransformersForward(self.model)
+
+        for chunk in _chunks(order, copies, self.batch_size):
+            tokens, lengths = sample_batch(
+                forward,
+                [prompt_ids[r] for r, _ in chunk],
+                [c for _, c in chunk],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                eos=self.eos,
+                pad_id=self.pad_id,
+                generator=generator,
+                min_p=min_p,
+            )
+            rows = [r for r, c in chunk for _ in range(c)]
+            yield rows, [t[:n].tolist() for t, n in zip(tokens, lengths, strict=True)]
 
     def close(self) -> None:
         """Nothing to shut down: the model is the caller's, or goes with this object."""

@@ -6,6 +6,8 @@ How it departs from a standard TRL GRPO script:
 - the anchor is q * pi_ref (``guide=``) under a chosen divergence (``divergence=``): SageGRPOTrainer;
 - after SFT the merged SFT model is both the RL start and the reference (never the pre-SFT base);
 - the guide schedule counts optimiser steps;
+- ``rollout=fast`` samples the training rollouts with the evaluator's compact decoder through TRL's
+  ``rollout_func`` hook (``sage.train.rollout``), instead of transformers' ``generate``;
 - the end-of-run evaluation is the same code as ``sage-eval`` (unbiased pass@k on held-out problems).
 """
 
@@ -87,6 +89,14 @@ def lora_config(cfg: DictConfig):
     return None if cfg.model.lora is None else library_config(cfg.model.lora)
 
 
+def rollout_function(cfg: DictConfig, args):
+    """TRL's ``rollout_func`` from the ``rollout_func`` node (``rollout=fast``); None: TRL's own generation.
+    Settings it cannot honour fail here, in one line, before any model is built."""
+    if cfg.rollout_func is None:
+        return None
+    return instantiate_node(cfg.rollout_func)(args=args, lora=cfg.model.lora is not None)
+
+
 def longest_prompt(trainer, dataset) -> int:
     """Tokens of the longest RL prompt, rendered as TRL renders it (chat template for message lists)."""
     tok = trainer.processing_class
@@ -114,6 +124,7 @@ def rl(
     divergence,
     guide,
     args,
+    rollout_func,
     last: str | None,
     out: Path,
     pool,
@@ -139,7 +150,10 @@ def rl(
         guide=guide,
         filter_zero_variance_groups=cfg.filter_zero_variance_groups,
         callbacks=callbacks,
+        rollout_func=rollout_func,
     )
+    if rollout_func is not None:  # the built policy (SFT-merged, dtype) is known only now
+        rollout_func.check(trainer.model)
     short_step_lines(trainer)  # a short console line per step; every metric still goes to MLflow
     if distributed.is_main():
         longest = longest_prompt(trainer, dataset)
@@ -273,6 +287,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
     # model is built.
     args = grpo_args(cfg, rl_dir)
+    rollout_func = rollout_function(cfg, args)
     dataset = instantiate_node(cfg.data, chat=cfg.model.chat)
     from sage.eval.analyses import log_analyses
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
@@ -318,6 +333,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 divergence,
                 guide,
                 args,
+                rollout_func,
                 last,
                 out,
                 pool,

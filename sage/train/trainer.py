@@ -25,7 +25,8 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   restore the learning rate the checkpoint's own schedule had reached (0 at the end of a finished run
   with a decaying schedule); we set it to the value the resumed schedule (over the new ``max_steps``) has
   at the checkpoint's step, which is the same value when ``max_steps`` is unchanged.
-Generation, rewards, advantages, the reference model and checkpointing are TRL's.
+Generation (through TRL's ``rollout_func`` hook under ``rollout=fast``: ``sage.train.rollout``), rewards,
+advantages, the reference model and checkpointing are TRL's.
 
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
 all SAGE variants), ``divergence`` (the shaped term actually optimised, before beta), ``guide/q_mean``,

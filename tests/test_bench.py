@@ -1,0 +1,49 @@
+"""``make bench`` (sage/bench.py): its sections are the ones ``--only`` accepts, and the train section,
+shrunk, times rollout=hf and rollout=fast in alternating runs and reports their ratio."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sage import bench
+
+
+def test_only_names_every_section_and_refuses_others():
+    assert list(bench.BENCHES) == ["eval", "attention", "overhead", "train", "run"]
+    assert all(f"- {name}:" in bench.__doc__ for name in bench.BENCHES)
+    command = [sys.executable, "-m", "sage.bench", "--only", "train,nope"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown bench ['nope']" in r.stderr and "'train'" in r.stderr
+
+
+@pytest.mark.slow
+def test_train_section_times_both_rollouts_in_alternating_runs(monkeypatch):
+    runs = []
+    sage_train = bench._sage_train
+
+    def recording(overrides, env=None):
+        runs.append(overrides)
+        return sage_train(overrides, env)
+
+    monkeypatch.setattr(bench, "_sage_train", recording)
+    shrink = ("trl.per_device_train_batch_size=16", "trl.num_generations=4")
+    # one timed step per run, after the bench's warm-up steps
+    out = bench.bench_train(steps=bench.WARMUP_STEPS + 1, pairs=2, overrides=shrink)
+    chosen = [next(o for o in r if o.startswith("rollout=")) for r in runs]
+    assert chosen == ["rollout=hf", "rollout=fast"] * 2
+    assert all(set(shrink) <= set(r) and "eval.at_end=false" in r for r in runs)
+    assert set(out) == {
+        "train_step_seconds_hf",
+        "train_step_seconds_fast",
+        "train_step_speedup",
+        "train_step_speedup_range",
+        "train_completion_tokens_hf",
+        "train_completion_tokens_fast",
+    }
+    assert out["train_step_seconds_hf"] > 0 and out["train_step_seconds_fast"] > 0
+    low, high = (float(x) for x in out["train_step_speedup_range"].split("-"))
+    assert 0 < low <= out["train_step_speedup"] <= high  # the median of the two pairs' ratios
+    assert out["train_completion_tokens_hf"] > 0 and out["train_completion_tokens_fast"] > 0
