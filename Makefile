@@ -53,26 +53,57 @@ format: install
 clean:  ## remove outputs (keeps the model cache in ~/.cache/sage)
 	rm -rf outputs multirun .pytest_cache
 
-# The testbed study of issue 6: Table 1 (7 methods x 3 seeds) and Table 6 (threshold x ratio, 2 seeds),
-# logged to one MLflow store, then docs/results/testbed.md built by sage-report alone.
+# The testbed study of issue 15: the base model's figures, Tables 1, 3, 4 and 6 on the graded testbed, each
+# grid logged to one MLflow store and reported by sage-report alone; docs/results/testbed.md assembles them.
+# `make reproduce-table1` (3, 4, 6) rebuilds one table. Each part writes how long it took to $(REPRO)/time_*.md.
 RESULTS ?= docs/results
 REPRO ?= outputs/reproduce
-REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(CURDIR)/$(REPRO)/mlflow.db
-REPRO_COMMON = hydra/launcher=local eval.every_steps=20
+REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(abspath $(REPRO))/mlflow.db
+REPRO_COMMON = hydra/launcher=local eval.n_samples=256 eval.every_steps=50
+TABLE1_SEEDS ?= 1,2,3,4,5
+TABLE_SEEDS ?= 1,2,3
+TABLE6_SEEDS ?= 1,2
+SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
+SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
+# `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
+timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
+	echo "| $(2) | $$(( ($$(date +%s) - start + 30) / 60 )) min |" > $(REPRO)/time_$(1).md
 
-.PHONY: reproduce-testbed reproduce-runs reproduce-report
-reproduce-testbed: install  ## issue 6: run the Table 1 / Table 6 grids on the testbed and write docs/results/testbed.md
-	$(MAKE) reproduce-runs reproduce-report
+.PHONY: reproduce-testbed reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
+reproduce-testbed: install  ## issue 15: the base model, Tables 1/3/4/6 on the testbed, then docs/results/testbed.md
+	$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
 
-reproduce-runs:
-	mkdir -p $(REPRO) $(RESULTS)
-	$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_entropy.md
-	$(REPRO_ENV) $(VENV)/bin/sage-train -m hparams_search=table1 seed=1,2,3 $(REPRO_COMMON) tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1
-	$(REPRO_ENV) $(VENV)/bin/sage-train -m hparams_search=table6 seed=1,2 guide.threshold=0.2,0.3,0.5 $(REPRO_COMMON) tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
+reproduce-base: install  ## the testbed base model (built if not cached) and its figures against the targets
+	$(call timed,base,base model: build and measure,$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_base.md)
 
-reproduce-report:
-	$(REPRO_ENV) $(VENV)/bin/sage-report --experiment testbed-table6 --seeds 1,2 --k 64 --perplexity-max 0 \
-	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6
-	$(REPRO_ENV) $(VENV)/bin/sage-report --experiment testbed-table1 --seeds 1,2,3 --k 64 --extra-k 8 \
-	  --include $(RESULTS)/testbed_entropy.md --include $(RESULTS)/testbed_table6.md \
-	  --include $(RESULTS)/reading.md --out $(RESULTS)/testbed.md
+reproduce-table1: install  ## Table 1: every method, 5 seeds
+	$(call timed,table1,Table 1 ($(TABLE1_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table1 seed=$(TABLE1_SEEDS) $(REPRO_COMMON) \
+	  tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1 && \
+	  $(SAGE_REPORT) --experiment testbed-table1 --seeds $(TABLE1_SEEDS) --out $(RESULTS)/testbed_table1.md \
+	  --figures-dir $(RESULTS)/figures --tables-dir $(RESULTS)/tables)
+
+reproduce-table3: install  ## Table 3: DAPO and BNPO, without and with Branch
+	$(call timed,table3,Table 3 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table3 seed=$(TABLE_SEEDS) $(REPRO_COMMON) \
+	  tracking.experiment=testbed-table3 hydra.sweep.dir=$(REPRO)/table3 && \
+	  $(SAGE_REPORT) --experiment testbed-table3 --seeds $(TABLE_SEEDS) --reference dapo --min-seeds 3 \
+	  --out $(RESULTS)/testbed_table3.md --figures-dir $(RESULTS)/figures_table3 --tables-dir $(RESULTS)/tables_table3)
+
+reproduce-table4: install  ## Table 4 on the testbed: Random, Token and Branch guides under each schedule
+	$(call timed,table4,Table 4 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m experiment=grpo_random,grpo_token,grpo_branch \
+	  schedule=constant,cosine seed=$(TABLE_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table4 hydra.sweep.dir=$(REPRO)/table4 && \
+	  $(SAGE_REPORT) --experiment testbed-table4 --seeds $(TABLE_SEEDS) --reference grpo_branch --min-seeds 3 \
+	  --out $(RESULTS)/testbed_table4.md --figures-dir $(RESULTS)/figures_table4 --tables-dir $(RESULTS)/tables_table4)
+
+reproduce-table6: install  ## Table 6: Branch threshold x ratio
+	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table6 seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
+	  tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6 && \
+	  $(SAGE_REPORT) --experiment testbed-table6 --seeds $(TABLE6_SEEDS) --perplexity-max 0 --min-seeds 2 \
+	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6)
+
+reproduce-report:  ## docs/results/testbed.md from the store: Table 1 with the other tables, the reading and the timings
+	( echo "## How long each part took (make reproduce-testbed, this machine)"; echo; echo "| part | wall time |"; \
+	  echo "|---|---|"; cat $(REPRO)/time_*.md 2>/dev/null ) > $(RESULTS)/testbed_timings.md
+	$(SAGE_REPORT) --experiment testbed-table1 --seeds $(TABLE1_SEEDS) \
+	  --include $(RESULTS)/testbed_base.md --include $(RESULTS)/testbed_table3.md --include $(RESULTS)/testbed_table4.md \
+	  --include $(RESULTS)/testbed_table6.md --include $(RESULTS)/reading.md --include $(RESULTS)/testbed_timings.md \
+	  --out $(RESULTS)/testbed.md

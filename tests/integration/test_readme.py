@@ -61,6 +61,7 @@ COMPOSE_ONLY = {
 ELSEWHERE = {
     "make test": "it is this test suite (CI runs it: .ci/run)",
     "make reproduce-testbed": "the whole testbed study; its parts run in tests/test_report.py",
+    "make reproduce-table": "one table of it: tests/integration/test_reproduce.py runs make reproduce-table6",
 }
 
 

@@ -1,0 +1,48 @@
+"""``make reproduce-table6``, one table of the testbed study, shrunk by make variables only (one seed, one
+grid cell, a short run): the grid runs, sage-report writes the table and the part's wall time is recorded.
+Run twice, as a user re-running the command would: the finished job is not redone or logged twice."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+SHRUNK = (
+    "hydra/launcher=local trl.max_steps=2 trl.per_device_train_batch_size=8 trl.num_generations=2 "
+    "eval.n_samples=4 eval.limit=8 eval.perplexity_cap=0 "
+    # the command line wins over the grid's values: one cell
+    "experiment=grpo_branch guide.threshold=0.3 guide.ratio=0.3"
+)
+
+
+def test_reproduce_table6_twice_runs_reports_and_times_once(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    repro, results = tmp_path / "repro", tmp_path / "results"
+    make = [
+        "make",
+        "-C",
+        str(REPO),
+        "reproduce-table6",
+        f"REPRO={repro}",
+        f"RESULTS={results}",
+        "TABLE6_SEEDS=1",
+        f"REPRO_COMMON={SHRUNK}",
+        f"SAGE_REPORT=MLFLOW_TRACKING_URI=sqlite:///{repro / 'mlflow.db'} .venv/bin/sage-report --k 4",
+    ]
+    for _ in range(2):
+        r = subprocess.run(make, capture_output=True, text=True, timeout=1500)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        table = (results / "testbed_table6.md").read_text()
+        assert "1 finished sage-train runs used" in table, table[:1500]
+        assert "| GRPO + Branch | " in table and "## Differences against the start model" in table
+        (timing,) = (repro / "time_table6.md").read_text().splitlines()
+        assert timing.startswith("| Table 6 (1) | ") and timing.endswith(" min |")
+    client = MlflowClient(f"sqlite:///{repro / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "testbed-table6"]
+    assert len(client.search_runs([experiment.experiment_id])) == 1
