@@ -59,7 +59,7 @@ clean:  ## remove outputs (keeps the model cache in ~/.cache/sage)
 RESULTS ?= docs/results
 REPRO ?= outputs/reproduce
 REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(abspath $(REPRO))/mlflow.db
-REPRO_COMMON = hydra/launcher=local eval.n_samples=256 eval.every_steps=50
+REPRO_COMMON = hydra/launcher=local rollout=fast eval.n_samples=256 eval.every_steps=50
 TABLE1_SEEDS ?= 1,2,3,4,5
 TABLE_SEEDS ?= 1,2,3
 TABLE6_SEEDS ?= 1,2
