@@ -315,7 +315,7 @@ def few_seeds_warning(meas: pd.DataFrame, asked: Sequence[int], min_seeds: int) 
     listed = ", ".join(f"{r} ({n})" for r, n in few)
     return (
         f"fewer than {min_seeds} training seeds for Table 1 methods: {listed}; their intervals rest on few "
-        "seeds (issue 15 asks for at least 5)"
+        f"seeds (--min-seeds {min_seeds})"
     )
 
 

@@ -315,7 +315,7 @@ def test_report_intervals_from_the_logged_matrices(synth):
     # fewer than 5 seeds: one warning line, in the report and in Report.warnings
     assert rep.warnings == [
         "fewer than 5 training seeds for Table 1 methods: GRPO (3), GRPO w/o KL (3), GRPO + forward KL (1), "
-        "GRPO + Branch (3), DAPO w/o KL (1); their intervals rest on few seeds (issue 15 asks for at least 5)"
+        "GRPO + Branch (3), DAPO w/o KL (1); their intervals rest on few seeds (--min-seeds 5)"
     ]
     assert f"**Warning:** {rep.warnings[0]}\n" in md
 
