@@ -18,7 +18,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _initialized() -> bool:
+def initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -29,7 +29,7 @@ def init() -> None:
 
     transformers' Trainer joins a CPU process group only when told it runs on the CPU; without that flag
     every process of a CPU launch would train alone, on its own copy of the data, with no error."""
-    if world_size() == 1 or _initialized():
+    if world_size() == 1 or initialized():
         return
     import torch
     from accelerate import PartialState
@@ -41,7 +41,7 @@ def init() -> None:
 
 
 def rank() -> int:
-    if _initialized():
+    if initialized():
         import torch.distributed as dist
 
         return dist.get_rank()
@@ -53,7 +53,7 @@ def is_main() -> bool:
 
 
 def barrier() -> None:
-    if _initialized():
+    if initialized():
         import torch.distributed as dist
 
         dist.barrier()
@@ -61,7 +61,7 @@ def barrier() -> None:
 
 def broadcast(value: Any) -> Any:
     """The main process's ``value`` (any picklable object), on every process."""
-    if not _initialized():
+    if not initialized():
         return value
     import torch.distributed as dist
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from sage import paths
+from sage import distributed, paths
 from sage.config import ConfigError
 from sage.testbed.task import (
     DEFAULT_SLIP_RATE,
@@ -106,7 +106,15 @@ def build_tiny_model(
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)
         return str(final)
-    return str(paths.build_once(final, BUILD_INFO_FILE, functools.partial(_build, config)))
+    build = functools.partial(_build, config)
+    if distributed.world_size() > 1 and distributed.initialized():
+        # transformers writes a model's weights from rank 0 of a process group only: a build by another
+        # rank would leave a folder without them. The main process builds; the others wait and load it.
+        if distributed.is_main():
+            paths.build_once(final, BUILD_INFO_FILE, build)
+        distributed.barrier()
+        return str(final)
+    return str(paths.build_once(final, BUILD_INFO_FILE, build))
 
 
 def _build(config: dict, folder: Path) -> None:
@@ -114,6 +122,8 @@ def _build(config: dict, folder: Path) -> None:
     start = time.perf_counter()
     model, tokenizer, final_loss = _train(config)
     model.save_pretrained(folder)
+    if not (folder / "config.json").is_file():
+        raise RuntimeError(f"save_pretrained wrote no model into {folder} (not rank 0 of a process group?)")
     tokenizer.save_pretrained(folder)
     info = {"config": config, "final_loss": final_loss, "build_seconds": time.perf_counter() - start}
     (folder / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2))
