@@ -213,24 +213,30 @@ def _median_per_step(out: Path, key: str = "step_time") -> float:
     return statistics.median(times)
 
 
+def _interleaved_medians(
+    runs: dict[str, list[str]], pairs: int, steps: int, keys: tuple[str, ...] = ("step_time",)
+) -> dict[str, dict[str, list[float]]]:
+    """Each named run's per-step medians of ``keys`` (``runs``: name -> its overrides), once per pair, the
+    runs of a pair one after the other so that drifts in machine speed hit every name alike."""
+    medians = {name: {key: [] for key in keys} for name in runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(pairs):
+            for name, overrides in runs.items():
+                out = Path(tmp) / f"{name}-{pair}"
+                _sage_train(
+                    [f"trl.max_steps={steps}", "eval.at_end=false", "seed=0", f"output_dir={out}", *overrides]
+                )
+                for key in keys:
+                    medians[name][key].append(_median_per_step(out, key))
+    return medians
+
+
 def bench_overhead() -> dict[str, float]:
     """Runs alternate none, branch, none, branch, ... so that drifts in machine speed hit both alike; the
     ratio is the median of the per-pair ratios of median step times."""
-    medians: dict[str, list[float]] = {"none": [], "branch": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(OVERHEAD_PAIRS):
-            for guide in ("none", "branch"):
-                out = Path(tmp) / f"{guide}-{pair}"
-                _sage_train(
-                    [
-                        f"guide={guide}",
-                        f"trl.max_steps={OVERHEAD_STEPS}",
-                        "eval.at_end=false",
-                        "seed=0",
-                        f"output_dir={out}",
-                    ]
-                )
-                medians[guide].append(_median_per_step(out))
+    runs = {guide: [f"guide={guide}"] for guide in ("none", "branch")}
+    measured = _interleaved_medians(runs, OVERHEAD_PAIRS, OVERHEAD_STEPS)
+    medians = {guide: m["step_time"] for guide, m in measured.items()}
     ratios = [b / n for n, b in zip(medians["none"], medians["branch"], strict=True)]
     return {
         "step_time_s_guide_none": round(statistics.median(medians["none"]), 4),
@@ -248,25 +254,12 @@ def bench_train(
     times. Each run's median completion length is reported too: the two samplers draw different
     completions, and a speedup bought with shorter ones would show there. ``overrides`` shrink the runs
     (the tests)."""
-    medians: dict[str, list[float]] = {"hf": [], "fast": []}
-    lengths: dict[str, list[float]] = {"hf": [], "fast": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(pairs):
-            for rollout in ("hf", "fast"):
-                out = Path(tmp) / f"{rollout}-{pair}"
-                _sage_train(
-                    [
-                        f"rollout={rollout}",
-                        f"trl.max_steps={steps}",
-                        "eval.at_end=false",
-                        "tracking.enabled=false",  # timing runs are not experiments
-                        "seed=0",
-                        f"output_dir={out}",
-                        *overrides,
-                    ]
-                )
-                medians[rollout].append(_median_per_step(out))
-                lengths[rollout].append(_median_per_step(out, "completions/mean_length"))
+    # timing runs are not experiments: no MLflow run
+    runs = {r: [f"rollout={r}", "tracking.enabled=false", *overrides] for r in ("hf", "fast")}
+    keys = ("step_time", "completions/mean_length")
+    measured = _interleaved_medians(runs, pairs, steps, keys)
+    medians = {r: m["step_time"] for r, m in measured.items()}
+    lengths = {r: m["completions/mean_length"] for r, m in measured.items()}
     ratios = [h / f for h, f in zip(medians["hf"], medians["fast"], strict=True)]
     return {
         "train_step_seconds_hf": round(statistics.median(medians["hf"]), 4),

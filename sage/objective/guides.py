@@ -39,11 +39,13 @@ def check_clamp(q_min: float, q_max: float) -> None:
     check_range("q_max", q_max, 1.0)
 
 
-def noise_seed(seed: int, step: int, rank: int, micro: int) -> int:
+def noise_seed(seed: int, step: int, rank: int, micro: int, person: bytes = b"") -> int:
     """A generator seed that is a pure function of (seed, step, rank, micro): 63 bits of the BLAKE2b digest
     of the four integers (a documented hash, unlike Python's hash(), so a seed means the same noise on any
-    interpreter)."""
-    digest = hashlib.blake2b(struct.pack("<4q", seed, step, rank, micro), digest_size=8).digest()
+    interpreter). ``person`` personalises the hash, so another use of the same four integers (the
+    training rollouts) draws another stream."""
+    packed = struct.pack("<4q", seed, step, rank, micro)
+    digest = hashlib.blake2b(packed, digest_size=8, person=person).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

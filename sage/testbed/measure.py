@@ -26,14 +26,12 @@ ENTROPY_QUANTILES = (50, 75, 90, 95, 99)
 
 
 def sample(
-    model_path: str, prompts: list[str], k: int, max_new_tokens: int, batch_prompts: int, seed: int
+    model, tokenizer, prompts: list[str], k: int, max_new_tokens: int, batch_prompts: int, seed: int
 ) -> tuple[list[list[str]], list[torch.Tensor]]:
     """``k`` temperature-1 samples per prompt (left-padded batches across prompts) and, per batch, the
     entropy of the model's full next-token distribution at every generated token up to and including
     eos (other positions are NaN). Entropy comes from the raw logits, i.e. the sampling distribution."""
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     completions: list[list[str]] = []
     entropies: list[torch.Tensor] = []
     for start in range(0, len(prompts), batch_prompts):
@@ -119,9 +117,8 @@ def measure(
         if name != "other" and used.any():
             figures[f"accuracy_{name}"] = float(correct[used].mean())
     figures["sampling_seconds"] = seconds
-    _, entropies = sample(
-        model_path, [p["problem"] for p in problems], entropy_k, max_new_tokens, batch_prompts=25, seed=seed
-    )
+    prompts = [p["problem"] for p in problems]
+    _, entropies = sample(model, tokenizer, prompts, entropy_k, max_new_tokens, batch_prompts=25, seed=seed)
     tokens = torch.cat([e.flatten() for e in entropies])
     tokens = tokens[~tokens.isnan()]
     figures |= {

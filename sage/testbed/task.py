@@ -181,9 +181,9 @@ def teacher_completion(
 
     With probability ``slip_rate`` (in the graded world: the rule of :data:`GRADED_RULES` for the
     problem's tier and the strategy, which may be the systematic :data:`CARRY` error) one step's result has
-    one wrong digit; the error propagates, so the final answer is
-    then wrong. A slip that would make a later value negative is redrawn, keeping every trace in the
-    format :func:`classify_strategy` recognises.
+    one wrong digit; the error propagates, so the final answer is then wrong. A slip that would make a
+    later value negative is redrawn, keeping every trace in the format :func:`classify_strategy`
+    recognises.
     """
     strategy = rng.choices(STRATEGIES, weights=strategy_probs)[0]
     rule = rule_of(world, strategy, b, slip_rate)

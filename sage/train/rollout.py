@@ -22,20 +22,16 @@ how many random numbers anything else used before it.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 from sage.config import ConfigError
 from sage.eval.decode import unsupported_reason
 from sage.eval.sampling import HFSampler
+from sage.objective.guides import noise_seed
 
 
 def rollout_seed(seed: int, step: int, rank: int, call: int) -> int:
-    """A generator seed that is a pure function of (seed, step, rank, call): 63 bits of a BLAKE2b digest
+    """A generator seed that is a pure function of (seed, step, rank, call): the guides' ``noise_seed``
     personalised for rollouts, so that it never equals a guide's noise seed of the same four integers."""
-    packed = struct.pack("<4q", seed, step, rank, call)
-    digest = hashlib.blake2b(packed, digest_size=8, person=b"sage.rollout").digest()
-    return int.from_bytes(digest, "little") >> 1
+    return noise_seed(seed, step, rank, call, person=b"sage.rollout")
 
 
 def runs(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
