@@ -16,8 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sage.data import verifiers
 from sage.data.benchmarks import load_benchmark
-from sage.data.verifiers import extract_answer, grade, knights_knaves_equivalent, row_verifier
+from sage.data.verifiers import extract_answer, grade, grade_answer, knights_knaves_equivalent, row_verifier
 from sage.grading import GradingPool, PoolReward
 
 DATA_DIR = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
@@ -385,3 +386,36 @@ def test_the_deadline_fires_when_sigalrm_is_blocked():
     assert r.returncode == 0, r.stderr[-2000:]
     score, seconds, still_blocked = r.stdout.split()
     assert float(score) == 0.0 and float(seconds) < 10 and still_blocked == "True"
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)  # the dropped alarm, on purpose
+def test_the_deadline_fires_when_its_alarm_lands_in_a_finaliser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python prints and drops an exception raised inside a finaliser (`__del__`, a weakref callback), so a
+    one-shot alarm that lands while the garbage collector runs one is lost and the grade runs unbounded (the
+    full test session hung in sympy this way). Here a finaliser runs across the deadline, so the first alarm
+    lands in it for certain: the deadline must still end the call, by firing again until it is obeyed."""
+
+    class SlowFinaliser:
+        def __del__(self) -> None:
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                pass
+
+    give_up = time.monotonic() + 6.0  # bounded, so a regression fails instead of hanging
+
+    def spins_past_a_finaliser(answer: str, gold: str) -> bool:
+        SlowFinaliser()  # dropped at once: its __del__ runs here, past the 0.5 s deadline
+        while time.monotonic() < give_up:
+            pass
+        return True  # reached only if the deadline never fired: scores 1.0
+
+    monkeypatch.setitem(verifiers.VERIFIERS, "slow", spins_past_a_finaliser)
+    handler_before = signal.getsignal(signal.SIGALRM)
+    t0 = time.monotonic()
+    assert grade_answer("7", "7", verifier="slow", timeout_s=0.5) == 0.0
+    assert time.monotonic() - t0 < 2.0
+    time.sleep(0.3)  # no alarm keeps firing after the call: it would raise here
+    assert signal.getsignal(signal.SIGALRM) is handler_before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

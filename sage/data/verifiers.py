@@ -15,7 +15,6 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -37,7 +36,7 @@ _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
-    """Math-Verify warns once that its own timeouts are off; they are off on purpose (see `_deadline`)."""
+    """Math-Verify warns once that its own timeouts are off: off on purpose (see `_call_with_deadline`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()
@@ -52,21 +51,32 @@ class _GradeTimeout(BaseException):
     the deadline and keep computing."""
 
 
-@contextmanager
-def _deadline(seconds: float) -> Iterator[None]:
-    """Raise `_GradeTimeout` in the block after `seconds` of wall time.
+# How soon an alarm fires again when its exception was lost (see `_call_with_deadline`).
+_REFIRE_S = 0.05
+
+
+def _call_with_deadline(fn: Callable[[], bool], seconds: float) -> bool:
+    """``fn()``, or `_GradeTimeout` once ``seconds`` of wall time have passed.
 
     Math-Verify's own timeouts use `signal.alarm` per parse/compare step (whole seconds, several steps per
     call, and a ValueError outside the main thread), so we disable them and put one sub-second deadline
-    around the whole call instead. Signals only reach the main thread: elsewhere the block runs unbounded,
+    around the whole call instead. Signals only reach the main thread: elsewhere ``fn`` runs unbounded,
     which is why bulk grading goes through `GradingPool` (each worker grades in its main thread).
+
+    The alarm re-arms itself until the deadline is left: a handler that runs inside a finaliser (`__del__`,
+    a weakref callback, which the garbage collector may call at any allocation in sympy) has its exception
+    printed and dropped by Python, and a one-shot alarm lost that way leaves the grade unbounded. A function
+    rather than a generator context manager, so that disarming runs in the frame that armed it and cannot
+    be skipped by an alarm landing in between.
     """
     if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+        return fn()
+    armed = [True]
 
     def _raise(signum: int, frame: FrameType | None) -> None:
-        raise _GradeTimeout
+        if armed[0]:
+            signal.setitimer(signal.ITIMER_REAL, _REFIRE_S)
+            raise _GradeTimeout
 
     previous = signal.signal(signal.SIGALRM, _raise)
     # A library may leave SIGALRM blocked in the main thread (masks are inherited and some code blocks
@@ -74,12 +84,16 @@ def _deadline(seconds: float) -> Iterator[None]:
     blocked = signal.SIGALRM in signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
     try:
         signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        return fn()
     finally:
-        # Separate finally: if the alarm fires just before it is disarmed, the handler is still restored.
+        # An alarm may still land while disarming; once `armed` is cleared the handler no longer raises.
+        while True:
+            try:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                break
+            except _GradeTimeout:
+                continue
         signal.signal(signal.SIGALRM, previous)
         if blocked:
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
@@ -210,8 +224,7 @@ def grade_answer(
     if not answer or len(answer) > MAX_ANSWER_CHARS or not balanced_braces(answer):
         return 0.0
     try:
-        with _deadline(timeout_s):
-            return 1.0 if equivalent(answer, str(gold)) else 0.0
+        return 1.0 if _call_with_deadline(lambda: equivalent(answer, str(gold)), timeout_s) else 0.0
     except (Exception, _GradeTimeout):
         return 0.0
 
