@@ -41,6 +41,7 @@ GROUP_TAGS = (
     "eval",
     "trl",
     "experiment",
+    "regime",
 )
 
 

@@ -116,6 +116,20 @@ def test_option_composes_and_binds(group, option, tmp_path):
         validate(cfg)
 
 
+def test_regime_sets_one_learning_rate_and_the_beta_of_every_divergence_that_has_one(tmp_path):
+    """regime=anchored over a grid mixing KL and no-KL rows (Table 1): no row refuses it, the KL rows get
+    beta 0.2, the no-KL row keeps none, every row the doubled learning rate; the command line still wins."""
+    base = cfg_for("experiment=grpo")
+    for experiment, beta in [("grpo", 0.2), ("grpo_fkl", 0.2), ("grpo_branch", 0.2), ("grpo_nokl", 0.0)]:
+        cfg = cfg_for(f"experiment={experiment}", "regime=anchored")
+        validate(cfg)
+        args = grpo_args(cfg, tmp_path)
+        assert (args.beta, args.learning_rate) == (beta, 2 * base.trl.learning_rate), experiment
+    assert (base.divergence.beta, cfg_for("experiment=grpo", "regime=default").divergence.beta) == (0.05, 0.05)
+    cfg = cfg_for("experiment=grpo", "regime=anchored", "divergence.beta=0.1", "trl.learning_rate=3e-4")
+    assert (cfg.divergence.beta, cfg.trl.learning_rate) == (0.1, 3e-4)
+
+
 def test_grpo_args_map_onto_trl():
     cfg = cfg_for("algorithm=dapo", "divergence=forward_kl", "trl.max_steps=3", "seed=5")
     args = grpo_args(cfg, Path("/tmp/x"))
