@@ -125,7 +125,8 @@ def test_regime_sets_one_learning_rate_and_the_beta_of_every_divergence_that_has
         validate(cfg)
         args = grpo_args(cfg, tmp_path)
         assert (args.beta, args.learning_rate) == (beta, 2 * base.trl.learning_rate), experiment
-    assert (base.divergence.beta, cfg_for("experiment=grpo", "regime=default").divergence.beta) == (0.05, 0.05)
+    default = cfg_for("experiment=grpo", "regime=default")
+    assert (base.divergence.beta, default.divergence.beta) == (0.05, 0.05)
     cfg = cfg_for("experiment=grpo", "regime=anchored", "divergence.beta=0.1", "trl.learning_rate=3e-4")
     assert (cfg.divergence.beta, cfg.trl.learning_rate) == (0.1, 3e-4)
 
