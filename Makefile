@@ -64,6 +64,8 @@ REPRO_COMMON = hydra/launcher=local rollout=fast regime=anchored eval.n_samples=
 TABLE1_SEEDS ?= 1,2,3,4,5
 TABLE_SEEDS ?= 1,2,3
 TABLE6_SEEDS ?= 1,2
+# A grid's commas go through a variable: a literal comma inside $(call timed,...) would split its arguments
+TABLE4_GRID = experiment=grpo_random,grpo_token,grpo_branch schedule=constant,cosine
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
@@ -90,8 +92,7 @@ reproduce-table3: install  ## Table 3: DAPO and BNPO, without and with Branch
 	  --out $(RESULTS)/testbed_table3.md --figures-dir $(RESULTS)/figures_table3 --tables-dir $(RESULTS)/tables_table3)
 
 reproduce-table4: install  ## Table 4 on the testbed: Random, Token and Branch guides under each schedule
-	$(call timed,table4,Table 4 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m experiment=grpo_random,grpo_token,grpo_branch \
-	  schedule=constant,cosine seed=$(TABLE_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table4 hydra.sweep.dir=$(REPRO)/table4 && \
+	$(call timed,table4,Table 4 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m $(TABLE4_GRID) seed=$(TABLE_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table4 hydra.sweep.dir=$(REPRO)/table4 && \
 	  $(SAGE_REPORT) --experiment testbed-table4 --seeds $(TABLE_SEEDS) --reference grpo_branch --min-seeds 3 \
 	  --out $(RESULTS)/testbed_table4.md --figures-dir $(RESULTS)/figures_table4 --tables-dir $(RESULTS)/tables_table4)
 
