@@ -97,7 +97,7 @@ reproduce-table4: install  ## Table 4 on the testbed: Random, Token and Branch g
 	  --out $(RESULTS)/testbed_table4.md --figures-dir $(RESULTS)/figures_table4 --tables-dir $(RESULTS)/tables_table4)
 
 reproduce-table6: install  ## Table 6: Branch threshold x ratio
-	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table6 seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
+	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
 	  tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6 && \
 	  $(SAGE_REPORT) --experiment testbed-table6 --seeds $(TABLE6_SEEDS) --perplexity-max 0 --min-seeds 2 \
 	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6)

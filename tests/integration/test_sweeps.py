@@ -82,6 +82,18 @@ def test_the_optuna_search_of_table6_is_table6s_box():
     assert distribution("guide.threshold", threshold, search.choices_as.value) == FloatDistribution(0.8, 2.0)
 
 
+def test_table6_on_the_testbed_scales_the_papers_thresholds_by_the_models_default():
+    """The paper's thresholds are multiples of its default 1.2 nats (Qwen's entropy q90); the testbed grid
+    takes the same multiples of the testbed model's default, and the same ratios."""
+    paper, testbed = (
+        compose([f"hparams_search={s}"]).hydra.sweeper.params for s in ("table6", "table6_testbed")
+    )
+    default = compose(["experiment=grpo_branch"]).model.branch_threshold
+    scaled = [round(float(t) / 1.2 * default, 6) for t in str(paper["guide.threshold"]).split(",")]
+    assert [float(t) for t in str(testbed["guide.threshold"]).split(",")] == scaled
+    assert testbed.experiment == paper.experiment and testbed["guide.ratio"] == paper["guide.ratio"]
+
+
 def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
     """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) in the background."""
     return subprocess.Popen(
