@@ -64,8 +64,16 @@ REPRO_COMMON = hydra/launcher=local rollout=fast regime=anchored eval.n_samples=
 TABLE1_SEEDS ?= 1,2,3,4,5
 TABLE_SEEDS ?= 1,2,3
 TABLE6_SEEDS ?= 1,2
-# A grid's commas go through a variable: a literal comma inside $(call timed,...) would split its arguments
-TABLE4_GRID = experiment=grpo_random,grpo_token,grpo_branch schedule=constant,cosine
+# Each table's sage-train arguments, used by its target and quoted by reproduce-report's provenance. A grid's
+# commas go through a variable: a literal comma inside $(call timed,...) would split its arguments.
+TABLE1_ARGS = -m hparams_search=table1 seed=$(TABLE1_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table1 \
+  hydra.sweep.dir=$(REPRO)/table1
+TABLE3_ARGS = -m hparams_search=table3 seed=$(TABLE_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table3 \
+  hydra.sweep.dir=$(REPRO)/table3
+TABLE4_ARGS = -m experiment=grpo_random,grpo_token,grpo_branch schedule=constant,cosine seed=$(TABLE_SEEDS) \
+  $(REPRO_COMMON) tracking.experiment=testbed-table4 hydra.sweep.dir=$(REPRO)/table4
+TABLE6_ARGS = -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
+  tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
@@ -74,37 +82,43 @@ timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 
 .PHONY: reproduce-testbed reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
 reproduce-testbed: install  ## issue 15: the base model, Tables 1/3/4/6 on the testbed, then docs/results/testbed.md
-	$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
+	$(call timed,total,all parts,$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6)
+	$(MAKE) reproduce-report
 
 reproduce-base: install  ## the testbed base model (built if not cached) and its figures against the targets
 	$(call timed,base,base model: build and measure,$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_base.md)
 
 reproduce-table1: install  ## Table 1: every method, 5 seeds
-	$(call timed,table1,Table 1 ($(TABLE1_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table1 seed=$(TABLE1_SEEDS) $(REPRO_COMMON) \
-	  tracking.experiment=testbed-table1 hydra.sweep.dir=$(REPRO)/table1 && \
+	$(call timed,table1,Table 1 ($(TABLE1_SEEDS)),$(SAGE_TRAIN) $(TABLE1_ARGS) && \
 	  $(SAGE_REPORT) --experiment testbed-table1 --seeds $(TABLE1_SEEDS) --out $(RESULTS)/testbed_table1.md \
 	  --figures-dir $(RESULTS)/figures --tables-dir $(RESULTS)/tables)
 
 reproduce-table3: install  ## Table 3: DAPO and BNPO, without and with Branch
-	$(call timed,table3,Table 3 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table3 seed=$(TABLE_SEEDS) $(REPRO_COMMON) \
-	  tracking.experiment=testbed-table3 hydra.sweep.dir=$(REPRO)/table3 && \
+	$(call timed,table3,Table 3 ($(TABLE_SEEDS)),$(SAGE_TRAIN) $(TABLE3_ARGS) && \
 	  $(SAGE_REPORT) --experiment testbed-table3 --seeds $(TABLE_SEEDS) --reference dapo --min-seeds 3 \
 	  --out $(RESULTS)/testbed_table3.md --figures-dir $(RESULTS)/figures_table3 --tables-dir $(RESULTS)/tables_table3)
 
 reproduce-table4: install  ## Table 4 on the testbed: Random, Token and Branch guides under each schedule
-	$(call timed,table4,Table 4 ($(TABLE_SEEDS)),$(SAGE_TRAIN) -m $(TABLE4_GRID) seed=$(TABLE_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-table4 hydra.sweep.dir=$(REPRO)/table4 && \
+	$(call timed,table4,Table 4 ($(TABLE_SEEDS)),$(SAGE_TRAIN) $(TABLE4_ARGS) && \
 	  $(SAGE_REPORT) --experiment testbed-table4 --seeds $(TABLE_SEEDS) --reference grpo_branch --min-seeds 3 \
 	  --out $(RESULTS)/testbed_table4.md --figures-dir $(RESULTS)/figures_table4 --tables-dir $(RESULTS)/tables_table4)
 
 reproduce-table6: install  ## Table 6: Branch threshold x ratio
-	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
-	  tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6 && \
+	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) $(TABLE6_ARGS) && \
 	  $(SAGE_REPORT) --experiment testbed-table6 --seeds $(TABLE6_SEEDS) --perplexity-max 0 --min-seeds 2 \
 	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6)
 
-reproduce-report:  ## docs/results/testbed.md from the store: Table 1 with the other tables, the reading and the timings
-	( echo "## How long each part took (make reproduce-testbed, this machine)"; echo; echo "| part | wall time |"; \
-	  echo "|---|---|"; cat $(REPRO)/time_*.md 2>/dev/null ) > $(RESULTS)/testbed_timings.md
+reproduce-report:  ## docs/results/testbed.md from the store: Table 1 with the other tables, the reading, provenance and timings
+	mkdir -p $(RESULTS) && ( echo "## Provenance and wall times"; echo; \
+	  echo "Assembled by \`make reproduce-report\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- \
+	    || echo ' with uncommitted changes'); each table's provenance line names the commit its runs were made at."; \
+	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the parts' commands:"; echo; \
+	  echo "- base: \`python -m sage.testbed.measure --markdown\`"; \
+	  echo "- Table 1: \`sage-train $(TABLE1_ARGS)\`"; \
+	  echo "- Table 3: \`sage-train $(TABLE3_ARGS)\`"; \
+	  echo "- Table 4: \`sage-train $(TABLE4_ARGS)\`"; \
+	  echo "- Table 6: \`sage-train $(TABLE6_ARGS)\`"; \
+	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(REPRO)/time_*.md 2>/dev/null ) > $(RESULTS)/testbed_timings.md
 	$(SAGE_REPORT) --experiment testbed-table1 --seeds $(TABLE1_SEEDS) \
 	  --include $(RESULTS)/testbed_base.md --include $(RESULTS)/testbed_table3.md --include $(RESULTS)/testbed_table4.md \
 	  --include $(RESULTS)/testbed_table6.md --include $(RESULTS)/reading.md --include $(RESULTS)/testbed_timings.md \

@@ -65,3 +65,30 @@ def test_each_table_target_passes_its_whole_command(table: str) -> None:
     ):
         assert expected in line, f"{expected} missing from: {line}"
     assert f"--experiment testbed-{table}" in line and f"time_{table}.md" in line
+
+
+def test_the_report_quotes_the_commands_the_tables_ran(tmp_path: Path) -> None:
+    """testbed.md's provenance lists each table's sage-train arguments as its target runs them, and the
+    commit."""
+    repro, results = tmp_path / "repro", tmp_path / "results"
+    repro.mkdir()
+    (repro / "time_table1.md").write_text("| Table 1 (1) | 3 min |\n")
+    where = [f"REPRO={repro}", f"RESULTS={results}"]
+    # sage-report is replaced by `true`: only the provenance and timings section is checked here
+    r = subprocess.run(
+        ["make", "-s", "-C", str(REPO), "reproduce-report", *where, "SAGE_REPORT=true"], text=True
+    )
+    assert r.returncode == 0
+    provenance = (results / "testbed_timings.md").read_text()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True
+    )
+    assert f"at commit {head.stdout.strip()}" in provenance
+    assert "| Table 1 (1) | 3 min |" in provenance
+    for table in ("table1", "table3", "table4", "table6"):
+        dry = subprocess.run(
+            ["make", "-C", str(REPO), "-n", f"reproduce-{table}", *where], capture_output=True, text=True
+        )
+        (line,) = [ln for ln in dry.stdout.splitlines() if "sage-train -m" in ln]
+        ran = line.split("sage-train ", 1)[1].split(" && ")[0]
+        assert f"`sage-train {ran}`" in provenance, (table, ran)
