@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sage.tracking import redact, resolve_uri
+from sage.tracking import GROUP_TAGS, redact, resolve_uri
 
 
 class ReportError(Exception):
@@ -70,21 +70,34 @@ def open_store(uri: str | None):
 
 
 def fetch_runs(client, experiment: str, run_ids: Sequence[str] = (), filter_string: str = "") -> list:
-    """The runs of ``experiment`` (optionally narrowed by an MLflow filter string), or exactly ``run_ids``."""
+    """The runs of ``experiment`` (optionally narrowed by an MLflow filter string), or exactly ``run_ids``.
+    ``experiment`` may name several experiments separated by commas: one table can then reuse runs another
+    grid already made (Table 4's cosine rows are Table 1's guided runs), with the filter applied to all."""
     if run_ids:
         return [client.get_run(r) for r in run_ids]
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        names = sorted(e.name for e in client.search_experiments())
-        listed = ", ".join(names) or "none"
-        raise ReportError(f"no experiment {experiment!r} in this store (experiments there: {listed})")
+    ids = []
+    for name in experiment_names(experiment):
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            names = sorted(e.name for e in client.search_experiments())
+            listed = ", ".join(names) or "none"
+            raise ReportError(f"no experiment {name!r} in this store (experiments there: {listed})")
+        ids.append(exp.experiment_id)
     runs, token = [], None
     while True:
-        page = client.search_runs([exp.experiment_id], filter_string, max_results=1000, page_token=token)
+        page = client.search_runs(ids, filter_string, max_results=1000, page_token=token)
         runs.extend(page)
         token = page.token
         if not token:
             return runs
+
+
+def experiment_names(experiment: str) -> list[str]:
+    """``--experiment a,b`` -> ["a", "b"] (each once, in the order given)."""
+    names = list(dict.fromkeys(n.strip() for n in experiment.split(",") if n.strip()))
+    if not names:
+        raise ReportError(f"--experiment {experiment!r} names no experiment")
+    return names
 
 
 def method_label(tags: dict[str, str], params: dict[str, str], run_id: str) -> str:
@@ -164,13 +177,24 @@ def varying_params(params: Sequence[dict[str, str]], ignore: Sequence[str] = ())
 
 def assign_rows(frame: pd.DataFrame, ignore: Sequence[str] = ()) -> pd.Series:
     """Row name of every run: its method label, plus ``[key=value, ...]`` for the params in which runs of
-    the same method differ (see the module docstring)."""
+    the same method differ (see the module docstring). A config group chosen differently (its ``_target_``
+    differs) is named by the group's choice, as the command line and the run's tag say it:
+    ``schedule=constant`` rather than the class path."""
     out = pd.Series(index=frame.index, dtype=object)
+    tags = frame["tags"] if "tags" in frame else pd.Series([{}] * len(frame), index=frame.index)
     for label, group in frame.groupby("method", sort=False):
         keys = varying_params(list(group["params"]), ignore)
         for i, p in group["params"].items():
-            out[i] = label if not keys else f"{label} [{', '.join(f'{k}={p.get(k)}' for k in keys)}]"
+            named = [_setting(k, p, tags[i]) for k in keys]
+            out[i] = label if not keys else f"{label} [{', '.join(dict.fromkeys(named))}]"
     return out
+
+
+def _setting(key: str, params: dict[str, str], tags: dict[str, str]) -> str:
+    group = key.removesuffix("._target_")
+    if key.endswith("._target_") and group in GROUP_TAGS and group in tags:
+        return f"{group}={tags[group]}"
+    return f"{key}={params.get(key)}"
 
 
 def one_run_per_seed(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:

@@ -343,7 +343,9 @@ def portable_uri(uri: str) -> str:
 def provenance(uri: str, experiment: str, run_ids: Sequence[str], sel: Selection) -> str:
     commits = sel.runs["git_commit"].value_counts()
     commit_text = ", ".join(f"`{c[:12]}` ({n} runs)" for c, n in commits.items())
-    what = f"runs {', '.join(run_ids)}" if run_ids else f"experiment `{experiment}`"
+    names = [] if run_ids else load.experiment_names(experiment)
+    label = "experiment" if len(names) == 1 else "experiments"
+    what = f"runs {', '.join(run_ids)}" if run_ids else f"{label} " + ", ".join(f"`{n}`" for n in names)
     return (
         f"Provenance: {what} in `{portable_uri(uri)}`; {len(sel.runs)} finished sage-train runs used"
         f" ({sel.skipped} left out); seeds asked {sel.seeds}; git commits: {commit_text};"
@@ -570,7 +572,11 @@ def _figure(path: Path, out: Path, caption: str) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sage-report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default="sage", help="MLflow experiment name (default: sage)")
+    p.add_argument(
+        "--experiment",
+        default="sage",
+        help="MLflow experiment name, or several separated by commas (default: sage)",
+    )
     p.add_argument("--run-ids", default="", help="comma-separated run ids instead of a whole experiment")
     p.add_argument("--filter", default="", help="MLflow filter string, e.g. \"tags.grid = '/sweep/dir'\"")
     p.add_argument(
@@ -601,6 +607,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--min-seeds", type=int, default=5, help="warn when a Table 1 method has fewer training seeds"
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that the store holds runs of the experiment(s) and filter; writes nothing "
+        "(a grid whose report reuses another grid's runs checks for them before it trains)",
+    )
     return p.parse_args(argv)
 
 
@@ -618,6 +630,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         client, uri = load.open_store(args.tracking_uri)
+        if args.check:
+            n = len(load.fetch_runs(client, args.experiment, [], args.filter))
+            if n == 0:
+                raise ReportError(f"experiment(s) {args.experiment!r} hold no runs matching {args.filter!r}")
+            matching = f" matching {args.filter!r}" if args.filter else ""
+            print(f"ok: {n} runs in {args.experiment}{matching}")
+            return 0
         rep = make_report(
             client,
             uri,

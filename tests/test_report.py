@@ -127,6 +127,17 @@ def test_method_labels_and_rows():
         "GRPO", "GRPO", "GRPO + Branch [guide.ratio=0.3]", "GRPO + Branch [guide.ratio=0.3]",
         "GRPO + Branch [guide.ratio=0.5]",
     ]  # fmt: skip
+    # a group chosen differently is named by its choice (the run's tag), not by its class path
+    schedules = pd.DataFrame(
+        {
+            "method": ["GRPO + Branch"] * 2,
+            "params": [{"seed": "0", "schedule._target_": f"s.{c}"} for c in ("Cosine", "Constant")],
+            "tags": [{"schedule": c} for c in ("cosine", "constant")],
+        }
+    )
+    assert list(load.assign_rows(schedules)) == [
+        "GRPO + Branch [schedule=cosine]", "GRPO + Branch [schedule=constant]"
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------ real runs
@@ -146,6 +157,8 @@ RUNS = {
     "b0": ["seed=0", "guide=branch", "guide.threshold=0.5"],
     "b1": ["seed=1", "guide=branch", "guide.threshold=0.5"],
     "r0": ["seed=0", "guide=branch", "guide.threshold=0.5", "guide.ratio=0.5"],  # the grid's second cell
+    # another grid's experiment, which a report may join to this one (Table 4 reuses Table 1's runs)
+    "c0": ["seed=0", "guide=branch", "guide.threshold=0.5", "schedule=constant", "tracking.experiment=other"],
 }
 GRPO, BRANCH, BRANCH5 = "GRPO", "GRPO + Branch [guide.ratio=0.3]", "GRPO + Branch [guide.ratio=0.5]"
 DS = "arith_heldout"
@@ -342,6 +355,31 @@ def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
         f"eval/trained/{DS}/pass_at_1, eval/trained/{DS}/pass_at_4" in md
     )
     assert next(line for line in md.splitlines() if line.startswith(f"| {GRPO} |")).count("(2/3 seeds)") == 2
+
+
+@pytest.mark.slow
+def test_one_report_over_two_experiments(store, capsys):
+    """``--experiment a,b``: the runs of both, the filter applied to each; the other grid's run keeps its own
+    row (it differs by its schedule), and the provenance names both experiments."""
+    args = ("--experiment", "report,other", "--filter", "tags.guide = 'branch'", "--perplexity-max", "0")
+    code, err, out = report_main(store, capsys, *args, "--reference", "grpo_branch", "--bootstrap", "0")
+    assert code == 0, err
+    md = out.read_text()
+    assert "experiments `report`, `other`" in md and "4 finished sage-train runs used" in md
+    rows = [line.split(" |")[0][2:] for line in md.splitlines() if line.startswith("| GRPO + Branch")]
+    assert "GRPO + Branch [guide.ratio=0.3, schedule=constant]" in rows
+    assert "GRPO + Branch [guide.ratio=0.3, schedule=cosine]" in rows
+    assert not any(line.startswith(f"| {GRPO} |") for line in md.splitlines())  # the filter holds
+    code, err, _ = report_main(store, capsys, "--experiment", "report,nope")
+    assert code == 2 and "no experiment 'nope' in this store" in err
+    # the check a grid makes before training for a report that reuses another grid's runs
+    code, err, _ = report_main(store, capsys, "--experiment", "other", "--check")
+    assert code == 0, err
+    none = ("--filter", "tags.guide = 'none'")
+    code, err, _ = report_main(store, capsys, "--experiment", "other", *none, "--check")
+    assert code == 2 and err.strip() == (
+        "sage-report: experiment(s) 'other' hold no runs matching \"tags.guide = 'none'\""
+    )
 
 
 @pytest.mark.slow

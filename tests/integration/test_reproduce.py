@@ -92,3 +92,37 @@ def test_the_report_quotes_the_commands_the_tables_ran(tmp_path: Path) -> None:
         (line,) = [ln for ln in dry.stdout.splitlines() if "sage-train -m" in ln]
         ran = line.split("sage-train ", 1)[1].split(" && ")[0]
         assert f"`sage-train {ran}`" in provenance, (table, ran)
+
+
+def test_table4_trains_the_constant_rows_and_takes_the_cosine_rows_from_table1(tmp_path: Path) -> None:
+    """Table 4's cosine rows are Table 1's guided runs (same config; cosine is the default schedule): its
+    target trains only the constant rows, and says so, before training anything, when Table 1 has not run."""
+    from mlflow import MlflowClient
+
+    repro, results = tmp_path / "repro", tmp_path / "results"
+    where = [f"REPRO={repro}", f"RESULTS={results}", "TABLE1_SEEDS=1", "TABLE_SEEDS=1"]
+    report = f"SAGE_REPORT=MLFLOW_TRACKING_URI=sqlite:///{repro / 'mlflow.db'} .venv/bin/sage-report --k 4"
+    one_cell = SHRUNK.replace("guide.threshold=0.3 guide.ratio=0.3", "")
+
+    def make(target: str) -> subprocess.CompletedProcess:
+        cmd = ["make", "-C", str(REPO), target, *where, f"REPRO_COMMON={one_cell}", report]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+
+    first = make("reproduce-table4")
+    assert first.returncode != 0
+    assert "its cosine rows are Table 1's guided runs; run make reproduce-table1 first" in first.stderr
+    assert not (repro / "table4").exists()  # nothing trained
+
+    for target in ("reproduce-table1", "reproduce-table4"):
+        r = make(target)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = (results / "testbed_table4.md").read_text()
+    assert "experiments `testbed-table4`, `testbed-table1`" in table
+    assert "2 finished sage-train runs used" in table, table[:1500]
+    for schedule in ("constant", "cosine"):
+        assert f"| GRPO + Branch [schedule={schedule}] |" in table
+    assert "minus GRPO + Branch [schedule=cosine]" in table  # the reference row exists
+    client = MlflowClient(f"sqlite:///{repro / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "testbed-table4"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.tags["schedule"] == "constant"
