@@ -161,7 +161,7 @@ def test_cells_are_not_reused_under_other_settings(checkpoint, sampler, tmp_path
         monkeypatch.setattr(sampling, "make_prompt", lambda problem, chat: f"Solve: {problem}")
     run(checkpoint, tmp_path / "res", **change)
     assert len(sampler.calls) == 8
-    cells = sorted(p.name for p in (tmp_path / "res" / "a").iterdir())
+    cells = sorted(p.name for p in (tmp_path / "res" / "a").iterdir() if not p.name.startswith("."))
     assert len(cells) == 4  # the first settings' cells are kept beside the new ones, never mixed
 
 
@@ -190,7 +190,8 @@ def test_a_killed_evaluation_resumes_only_the_missing_cells(checkpoint, sampler,
     sampler.fail_on_call = 2  # killed while sampling dataset "a", seed 1
     with pytest.raises(KeyboardInterrupt):
         run(checkpoint, tmp_path / "res")
-    assert [p.name.endswith("seed0") for p in (tmp_path / "res" / "a").iterdir()] == [True]
+    cells = [p for p in (tmp_path / "res" / "a").iterdir() if not p.name.startswith(".")]  # not the locks
+    assert [p.name.endswith("seed0") for p in cells] == [True]
     sampler.fail_on_call = None
     sampler.calls.clear()
     resumed = run(checkpoint, tmp_path / "res")
@@ -198,6 +199,31 @@ def test_a_killed_evaluation_resumes_only_the_missing_cells(checkpoint, sampler,
     fresh = run(checkpoint, tmp_path / "fresh")
     for name in ROWS:
         assert resumed[name]["summary"] == fresh[name]["summary"]
+
+
+def test_jobs_evaluating_the_same_cells_at_once_sample_each_cell_once(checkpoint, sampler, tmp_path):
+    """A grid's jobs evaluate the shared base-model cells at the same time: one samples each cell, the others
+    wait and reuse it (two writers once raced into one temporary folder and a job died)."""
+    import threading
+    import time
+
+    sample = sampler.sample
+
+    def slow(*args, **kwargs):  # long enough that, unlocked, both jobs would be sampling the same cell
+        time.sleep(0.3)
+        return sample(*args, **kwargs)
+
+    sampler.sample = slow
+    results: list[dict] = []
+    jobs = [threading.Thread(target=lambda: results.append(run(checkpoint, tmp_path / "res"))) for _ in "ab"]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    assert len(results) == 2 and sorted(sampler.calls) == [0, 0, 1, 1]  # 2 datasets x 2 seeds, once each
+    for name in ROWS:
+        assert results[0][name]["summary"] == results[1][name]["summary"]
+    assert not list((tmp_path / "res").rglob(".tmp-*"))  # no temporary folder left behind
 
 
 def test_results_json_holds_full_curves_and_settings(checkpoint, sampler, tmp_path):

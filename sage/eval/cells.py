@@ -4,9 +4,14 @@ evaluation leaves no half-finished cell; and the run's ``results.json``."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,19 +57,36 @@ def load_cell(cell: Path, key: CellKey, ids: list[str]) -> dict | None:
     }
 
 
+@contextlib.contextmanager
+def cell_lock(cell: Path) -> Iterator[None]:
+    """Held while a cell is looked up and, if missing, sampled. The base model's cells are shared by every
+    run of a grid, and a grid's jobs evaluate them at the same time: the second job waits for the first and
+    reuses its cell instead of sampling the same cell again beside it (and racing it to the folder). The lock
+    is released when its holder dies."""
+    cell.parent.mkdir(parents=True, exist_ok=True)
+    with open(cell.parent / f".{cell.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def store_cell(
     cell: Path, key: CellKey, ids: list[str], correct: np.ndarray, completions: list[list[str]]
 ) -> None:
-    """Written to a temporary folder and renamed: a killed evaluation leaves no half-finished cell."""
-    tmp = cell.with_name(cell.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "correct.npy", correct)
-    (tmp / "completions.json").write_text(json.dumps(completions))
-    (tmp / "curve.json").write_text(json.dumps(pass_at_k_curve(correct)))
-    (tmp / "meta.json").write_text(json.dumps({"key": asdict(key), "ids": ids}))
-    if cell.exists():  # a stale cell under the same key (its problems changed): replaced, not mixed
-        shutil.rmtree(cell)
-    tmp.rename(cell)
+    """Written to a temporary folder of its own and renamed: a killed evaluation leaves no half-finished cell,
+    and two writers (on a file system flock does not reach across) never write into one folder."""
+    for stale in cell.parent.glob(f".tmp-{cell.name}-*"):  # left by a killed writer (called under the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cell.name}-", dir=cell.parent))
+    try:
+        np.save(tmp / "correct.npy", correct)
+        (tmp / "completions.json").write_text(json.dumps(completions))
+        (tmp / "curve.json").write_text(json.dumps(pass_at_k_curve(correct)))
+        (tmp / "meta.json").write_text(json.dumps({"key": asdict(key), "ids": ids}))
+        if cell.exists():  # a stale cell under the same key (its problems changed): replaced, not mixed
+            shutil.rmtree(cell)
+        os.replace(tmp, cell)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_results(path: Path, model_path: str, results: dict[str, dict]) -> None:

@@ -28,7 +28,15 @@ from tqdm.auto import tqdm
 
 from sage.config import ConfigError
 from sage.data.verifiers import row_verifier
-from sage.eval.cells import RESULTS_FILE, CellKey, cell_dir, load_cell, store_cell, write_results
+from sage.eval.cells import (
+    RESULTS_FILE,
+    CellKey,
+    cell_dir,
+    cell_lock,
+    load_cell,
+    store_cell,
+    write_results,
+)
 from sage.eval.checkpoint import Checkpoint
 from sage.eval.sampling import (
     Sampler,
@@ -146,21 +154,24 @@ def evaluate_model(
                 for seed in eval_cfg.seeds:
                     key = CellKey(SamplingSettings(seed=seed, **sampling), **identity)
                     cell = cell_dir(results_dir / name, key)
-                    done = load_cell(cell, key, ids)
-                    if done is not None:
-                        log.info("reusing finished evaluation cell %s", cell)
-                        per_seed.append(done)
-                        bar.update(len(rows) * eval_cfg.n_samples)
-                        continue
-                    if sampler is None:  # started only when a cell is missing: a finished run loads nothing
-                        sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
-                        stack.callback(sampler.close)  # a vLLM engine is shut down before the next is built
-                        if pool is None:
-                            pool = stack.enter_context(GradingPool(workers=2))
-                    cell_result = evaluate_dataset(
-                        sampler, tokenizer, rows, key, cell=cell, pool=pool, progress=bar.update
-                    )
-                    per_seed.append(cell_result)
+                    with cell_lock(cell):
+                        done = load_cell(cell, key, ids)
+                        if done is not None:
+                            log.info("reusing finished evaluation cell %s", cell)
+                            per_seed.append(done)
+                            bar.update(len(rows) * eval_cfg.n_samples)
+                            continue
+                        # started only when a cell is missing: a finished run loads nothing
+                        if sampler is None:
+                            sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=eval_cfg)
+                            # a vLLM engine is shut down before the next is built
+                            stack.callback(sampler.close)
+                            if pool is None:
+                                pool = stack.enter_context(GradingPool(workers=2))
+                        cell_result = evaluate_dataset(
+                            sampler, tokenizer, rows, key, cell=cell, pool=pool, progress=bar.update
+                        )
+                        per_seed.append(cell_result)
             correct = [r["correct"] for r in per_seed]
             results[name] = {
                 "summary": pass_at_k_over_seeds(correct, list(eval_cfg.ks)),
