@@ -153,20 +153,24 @@ def test_schedule_cycles_0_is_one_line_before_anything_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_base_only_run_under_the_cosine_schedule_evaluates_the_start_model(tmp_path):
-    """max_steps=0 trains nothing, so the default cosine schedule has nothing to refuse."""
-    out = tmp_path / "base"
-    r = sage_train(
-        "guide=token",
-        "trl.max_steps=0",
-        "eval.n_samples=2",
-        "eval.limit=2",
-        f"output_dir={out}",
-        "tracking.enabled=false",
-    )
+    """max_steps=0 trains nothing, so the default cosine schedule has nothing to refuse. Rerun with
+    resume=auto (as a grid's rerun does), the finished base row continues its MLflow run: the start model is
+    not recorded twice (Table 1's base rows once were)."""
+    from mlflow.tracking import MlflowClient
+
+    out, uri = tmp_path / "base", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = ("guide=token", "trl.max_steps=0", "eval.n_samples=2", "eval.limit=2", f"output_dir={out}")
+    r = sage_train(*args, f"tracking.uri={uri}", "tracking.experiment=b")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| base | arith_heldout |" in r.stdout
     assert set(json.loads((out / "metrics.json").read_text())) >= {"base/arith_heldout/pass@1"}
     assert not (out / "rl").exists() and not (out / "final").exists()
+    first = (out / RUN_ID_FILE).read_text()
+    r = sage_train(*args, f"tracking.uri={uri}", "tracking.experiment=b", "resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("b").experiment_id])
+    assert run.info.run_id == first and run.info.status == "FINISHED"
 
 
 @pytest.fixture

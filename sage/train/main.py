@@ -312,7 +312,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # One grading pool for the run (its workers start on first use): training rewards, the periodic and
     # the final evaluation are all graded by it, under the same time and memory limits.
     # the run of an earlier attempt is continued only with its work: a checkpoint, or a finished final/
-    continuing = last is not None or final_step(out / "final") >= 0
+    # (a base row, max_steps=0, has no checkpoint: its finished work is its metrics.json, and a rerun of its
+    # grid continues its MLflow run rather than recording the start model a second time)
+    base_done = cfg.trl.max_steps == 0 and resume != Resume.false and (out / "metrics.json").is_file()
+    continuing = last is not None or final_step(out / "final") >= 0 or base_done
     # One MLflow run per run, however many processes train: the main process records, the others only train.
     run = start_run(cfg, out, kind="train", resume=continuing) if distributed.is_main() else nullcontext(None)
     with run as tracker, GradingPool() as pool:
