@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -9,7 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sage import distributed
@@ -102,6 +103,23 @@ def _remove_stale_builds(final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def folder_lock(final: Path) -> Iterator[None]:
+    """Held by the one process that may create or replace ``final`` (a lock file beside it); the others
+    wait on it. The lock is released when its holder dies."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def tmp_folder_for(final: Path) -> Path:
+    """A new temporary folder of this writer beside ``final``, to be renamed onto it; the folders of killed
+    earlier writers are removed first (call under ``folder_lock(final)``)."""
+    _remove_stale_builds(final)
+    return Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
+
+
 def build_once(final: Path, marker: str, build: Callable[[Path], None], collective: bool = False) -> Path:
     """``final`` built by ``build(tmp_folder)`` exactly once, however many processes ask at the same time.
 
@@ -118,14 +136,11 @@ def build_once(final: Path, marker: str, build: Callable[[Path], None], collecti
         return final
     if collective and distributed.world_size() > 1:
         return _build_collectively(final, marker, build)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with folder_lock(final):
         if (final / marker).exists():
             log.info("built by a concurrent job: %s", final)
             return final
-        _remove_stale_builds(final)
-        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
+        tmp = tmp_folder_for(final)
         try:
             build(tmp)
             if not (tmp / marker).exists():

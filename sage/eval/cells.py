@@ -4,14 +4,10 @@ evaluation leaves no half-finished cell; and the run's ``results.json``."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +16,7 @@ import numpy as np
 
 from sage.eval.sampling import SamplingSettings
 from sage.metrics import pass_at_k_curve
+from sage.paths import tmp_folder_for
 
 RESULTS_FILE = "results.json"
 
@@ -57,26 +54,12 @@ def load_cell(cell: Path, key: CellKey, ids: list[str]) -> dict | None:
     }
 
 
-@contextlib.contextmanager
-def cell_lock(cell: Path) -> Iterator[None]:
-    """Held while a cell is looked up and, if missing, sampled. The base model's cells are shared by every
-    run of a grid, and a grid's jobs evaluate them at the same time: the second job waits for the first and
-    reuses its cell instead of sampling the same cell again beside it (and racing it to the folder). The lock
-    is released when its holder dies."""
-    cell.parent.mkdir(parents=True, exist_ok=True)
-    with open(cell.parent / f".{cell.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def store_cell(
     cell: Path, key: CellKey, ids: list[str], correct: np.ndarray, completions: list[list[str]]
 ) -> None:
     """Written to a temporary folder of its own and renamed: a killed evaluation leaves no half-finished cell,
     and two writers (on a file system flock does not reach across) never write into one folder."""
-    for stale in cell.parent.glob(f".tmp-{cell.name}-*"):  # left by a killed writer (called under the lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cell.name}-", dir=cell.parent))
+    tmp = tmp_folder_for(cell)  # evaluate_model holds the cell's folder_lock
     try:
         np.save(tmp / "correct.npy", correct)
         (tmp / "completions.json").write_text(json.dumps(completions))

@@ -32,7 +32,6 @@ from sage.eval.cells import (
     RESULTS_FILE,
     CellKey,
     cell_dir,
-    cell_lock,
     load_cell,
     store_cell,
     write_results,
@@ -48,6 +47,7 @@ from sage.eval.sampling import (
 )
 from sage.grading import GradingPool
 from sage.metrics import pass_at_k_curve_over_seeds, pass_at_k_over_seeds
+from sage.paths import folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,9 @@ def evaluate_model(
                 for seed in eval_cfg.seeds:
                     key = CellKey(SamplingSettings(seed=seed, **sampling), **identity)
                     cell = cell_dir(results_dir / name, key)
-                    with cell_lock(cell):
+                    # a grid's jobs evaluate the shared base-model cells at the same time: the second waits
+                    # for the first and reuses its cell instead of sampling it again (and racing it to disk)
+                    with folder_lock(cell):
                         done = load_cell(cell, key, ids)
                         if done is not None:
                             log.info("reusing finished evaluation cell %s", cell)
