@@ -25,6 +25,10 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   restore the learning rate the checkpoint's own schedule had reached (0 at the end of a finished run
   with a decaying schedule); we set it to the value the resumed schedule (over the new ``max_steps``) has
   at the checkpoint's step, which is the same value when ``max_steps`` is unchanged.
+- ``VLLMGeneration._iter_named_params`` (``rollout=vllm``, on the engine TRL builds): a LoRA policy's weights
+  are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by TRL's
+  in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it the
+  reference, on every sync (TRL issue #6688). Same names and order as TRL; each weight is rounded once.
 Generation (through TRL's ``rollout_func`` hook under ``rollout=fast``: ``sage.train.rollout``), rewards,
 advantages, the reference model and checkpointing are TRL's.
 
@@ -41,6 +45,7 @@ from trl import GRPOTrainer
 
 from sage.objective.aggregation import aggregate, informative_groups, total_rewards
 from sage.objective.divergences import k3
+from sage.train.weight_sync import sync_out_of_place
 
 
 def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
@@ -87,6 +92,8 @@ class SageGRPOTrainer(GRPOTrainer):
                 f"GRPOConfig.use_bias_correction_kl={self.args.use_bias_correction_kl} differs from "
                 f"divergence.importance_weighted={divergence.importance_weighted}"
             )
+        if self.use_vllm:  # TRL's sync merges LoRA into the frozen base in place: see weight_sync
+            sync_out_of_place(self.vllm_generation)
 
     def _calculate_rewards(self, *args, **kwargs):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
