@@ -120,7 +120,7 @@ def tmp_folder_for(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
 
 
-def build_once(final: Path, marker: str, build: Callable[[Path], None], collective: bool = False) -> Path:
+def build_once(final: Path, marker: str, build: Callable[[Path], None], processes: str = "caller") -> Path:
     """``final`` built by ``build(tmp_folder)`` exactly once, however many processes ask at the same time.
 
     The jobs of a grid on a cold cache all ask at once: one builds while the others wait on a lock and
@@ -129,57 +129,89 @@ def build_once(final: Path, marker: str, build: Callable[[Path], None], collecti
     half-written. (The lock is released when its holder dies; the rename still guards file systems where
     flock does not reach across hosts.)
 
-    ``collective``: ``build`` is a collective step of a multi-process run (the SFT stage trains on every
-    process and writes on the main one): see ``_build_collectively``.
+    ``processes``: who calls this in a multi-process run (torchrun, several SLURM tasks).
+    - ``"caller"``: only the calling process builds and waits (what a single-process run does);
+    - ``"main"``: every process of the run calls it; the main process builds alone (transformers writes a
+      model's weights from rank 0 only) and the others wait for it;
+    - ``"all"``: every process of the run calls it and takes part in ``build`` (the SFT stage trains on
+      every process and writes on the main one).
+    See ``_build_in_run`` for how the others wait.
     """
+    if processes not in ("caller", "main", "all"):
+        raise ValueError(f"processes={processes!r}: one of caller, main, all")
+    if processes != "caller" and distributed.initialized() and distributed.world_size() > 1:
+        return _build_in_run(final, marker, build, collective=processes == "all")
     if (final / marker).exists():
         return final
-    if collective and distributed.world_size() > 1:
-        return _build_collectively(final, marker, build)
     with folder_lock(final):
         if (final / marker).exists():
             log.info("built by a concurrent job: %s", final)
             return final
-        tmp = tmp_folder_for(final)
-        try:
-            build(tmp)
-            if not (tmp / marker).exists():
-                raise RuntimeError(f"the build of {final} did not write {marker}")
-            os.replace(tmp, final)
-        except OSError:
-            if not (final / marker).exists():
-                raise
-            log.info("a concurrent build of %s finished first; using it", final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _build_into(final, marker, build, tmp_folder_for(final))
     return final
 
 
-def _build_collectively(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
-    """``build_once`` for a build every process of a run takes part in. The main process holds the lock
-    (other jobs of a grid wait on it, as in ``build_once``) and decides whether to build; every process then
-    calls ``build`` on the same temporary folder (only the main one writes there), and the main one renames
-    it into place before the others go on."""
-    lock, tmp = None, None
+def _build_into(final: Path, marker: str, build: Callable[[Path], None], tmp: Path) -> None:
+    """``build(tmp)``, checked for its marker and renamed onto ``final`` (by the process holding
+    ``final``'s lock)."""
+    try:
+        build(tmp)
+        if not (tmp / marker).exists():
+            raise RuntimeError(f"the build of {final} did not write {marker}")
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / marker).exists():
+            raise
+        log.info("a concurrent build of %s finished first; using it", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_in_run(final: Path, marker: str, build: Callable[[Path], None], collective: bool) -> Path:
+    """``build_once`` for every process of a multi-process run.
+
+    Only the main process takes the lock, so only it waits on another job's build, and it waits on the
+    file lock. It then writes its decision to a file named by the run's token: "ready" (built, by another
+    job or by itself when the build is its alone), "build" (a collective build into a temporary folder
+    the others join) or "failed". The other processes wait for that file on the file system, not inside a
+    collective: a collective would time out (``trl.ddp_timeout``) while another job of the grid builds for
+    longer than that, and kill this job. A barrier follows only once every process has its decision, when
+    no process waits on anything but this run's own work."""
+    decision = final.parent / f".{final.name}.{distributed.run_token()}.decision"
     if distributed.is_main():
         final.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(final.parent / f".{final.name}.lock", "w")  # noqa: SIM115 (held across the collective build)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (final / marker).exists():
-            _remove_stale_builds(final)
-            tmp = tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent)
-    tmp = distributed.broadcast(tmp)
-    try:
-        if tmp is not None:
-            build(Path(tmp))
-            if distributed.is_main():
-                if not (Path(tmp) / marker).exists():
-                    raise RuntimeError(f"the build of {final} did not write {marker}")
-                os.replace(tmp, final)
-    finally:
-        if lock is not None:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            lock.close()
-        distributed.barrier()
+        told = False
+        try:
+            with folder_lock(final):
+                if (final / marker).exists():
+                    log.info("built by a concurrent job: %s", final)
+                else:
+                    tmp = tmp_folder_for(final)
+                    if collective:
+                        _decide(decision, {"build": str(tmp)})
+                        told = True
+                    _build_into(final, marker, build, tmp)
+            if not told:
+                _decide(decision, {"ready": True})
+        except BaseException as e:
+            if not told:  # the others wait for a decision: tell them, so that they stop too
+                _decide(decision, {"failed": f"{type(e).__name__}: {e}"})
+            raise
+    else:
+        what = f"the main process's decision on {final.name} (built once, shared by the jobs of a grid)"
+        told = json.loads(distributed.wait_for_file(decision, what))
+        if "failed" in told:
+            raise RuntimeError(f"the main process could not build {final}: {told['failed']}")
+        if "build" in told:
+            build(Path(told["build"]))
+    distributed.barrier()  # every process has its decision and the main one has renamed the build
+    if distributed.is_main():
+        decision.unlink(missing_ok=True)
     return final
+
+
+def _decide(path: Path, decision: dict) -> None:
+    """Written whole or not at all: a waiting process never reads half a decision."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(decision))
+    os.replace(tmp, path)

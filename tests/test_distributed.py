@@ -58,14 +58,19 @@ def test_torchrun_two_processes_record_once(tmp_path):
         log = r.stdout + r.stderr
         assert r.returncode == 0, log[-5000:]
 
-        # one merged SFT model, trained on both processes
-        assert log.count("SFT stage trained on 2 process(es), merged and written once") == 1, log[-5000:]
+        # one merged SFT model, trained on both processes with one process's effective batch (SFTConfig's 8
+        # rows per step: 4 per process), so with as many optimiser steps as on one process (32 rows / 8)
+        assert (
+            log.count("SFT stage trained on 2 process(es) (4 rows per forward pass x 1 accumulation") == 1
+        ), log[-5000:]
         merged = [
             p.parent
             for p in (cache_dir() / "sft").glob("*/sft_info.json")
             if json.loads(p.read_text())["key"]["data"].get("seed") == sft_seed
         ]
         assert len(merged) == 1
+        info = json.loads((merged[0] / "sft_info.json").read_text())
+        assert info["optimiser_steps"] == 4 and info["key"]["effective_batch"] == 8
         # (only this build's: a build killed in another test may have left its own, removed by its next build)
         left = list((cache_dir() / "sft").glob(f".tmp-{merged[0].name}-*"))
         assert not left, "a temporary SFT folder was left behind"

@@ -132,3 +132,31 @@ def test_full_fine_tuning_loads_float32_master_weights_lora_keeps_bf16(tmp_path)
     assert (lora.model.dtype, lora.model.lora is not None) == ("bfloat16", True)
     assert grpo_args(full, tmp_path / "full").model_init_kwargs["dtype"] == "float32"
     assert grpo_args(lora, tmp_path / "lora").model_init_kwargs["dtype"] == "bfloat16"
+
+
+def test_dapo_answer_instruction_is_removed_from_prompts(tmp_path, caplog):
+    """A DAPO-Math prompt that still carries its "Answer: $Answer" instruction would ask for a last line the
+    reward never reads (it reads the <SOLUTION> tags of the system prompt): the instruction is stripped,
+    the problem kept whole, the count logged; an unknown variant of it is one line naming the row."""
+    import json
+    import logging
+
+    problem = "Find $x$ if $2x = 6$."
+    raw = sage_datasets.DAPO_INSTRUCTION_HEAD + problem + sage_datasets.DAPO_INSTRUCTION_TAIL
+    local = tmp_path / "dapo.jsonl"
+    local.write_text(
+        json.dumps({"prompt": raw, "solution": "3"})
+        + "\n"
+        + json.dumps({"prompt": "1+1=", "solution": "2"})
+        + "\n"
+    )
+    with caplog.at_level(logging.INFO, logger="sage.data.datasets"):
+        ds = sage_datasets.math_prompts(str(local), "train", "prompt", "solution", None, False)
+    assert ds["prompt"] == [problem, "1+1="]
+    assert "instruction removed from 1 of 2 prompts" in caplog.text
+
+    local.write_text(
+        json.dumps({"prompt": f"{problem}\nAnswer: $Answer on the last line", "solution": "3"}) + "\n"
+    )
+    with pytest.raises(ValueError, match=r"dapo.jsonl: row 0 still asks for a last line 'Answer: \$Answer'"):
+        sage_datasets.math_prompts(str(local), "train", "prompt", "solution", None, False)

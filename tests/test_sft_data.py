@@ -27,8 +27,8 @@ END_OF_TURN = {  # what each published template closes an assistant turn with
 }
 
 
-def tokenised(dataset, tokenizer, tmp_path, chat=False, model=None):
-    args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=512, bf16=False)
+def tokenised(dataset, tokenizer, tmp_path, chat=False, model=None, max_length=512):
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", max_length=max_length, bf16=False)
     trainer = SFTTrainer(
         model=model or build_tiny_model(chat=chat, world="arith"),  # model=tiny_sft and tiny_chat's base
         args=args,
@@ -105,3 +105,81 @@ def test_paper_chat_models_sft_rows(tmp_path, model):
     prefill = "<think>\n" if model == "r1-distill-qwen-7b" else ""
     assert at_inference == ignored + prefill
     assert published(model)["sources"]  # stored values carry where they were read
+
+
+def long_and_short_rows(tmp_path) -> str:
+    """OpenMathReasoning-style rows whose worked solutions range from a line to far beyond max_length."""
+    rows = [
+        {
+            "problem": f"What is {i} + {i}?",
+            "generated_solution": "<think>"
+            + " ".join(f"step {j}: {i} + {i} = {2 * i}." for j in range(i * 12))
+            + "</think>",
+            "expected_answer": str(2 * i),
+        }
+        for i in range(1, 9)
+    ]
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(src)
+
+
+@pytest.mark.parametrize("model", PAPER_CHAT_MODELS)
+def test_sft_keeps_only_whole_conversations(tmp_path, model, caplog):
+    """Rows longer than max_length are dropped before TRL sees them (TRL would cut their end): every kept
+    row, as TRL's own SFT tokenisation makes it, fits max_length and ends with the answer's closing tag and
+    the template's end-of-turn token; our length count is TRL's exactly; the drop is logged."""
+    import logging
+
+    from sage.train.sft import conversation_length, keep_whole_rows
+
+    tok = build_chat_tokenizer(model)
+    rows = sft_dataset(long_and_short_rows(tmp_path), "train", max_prompt_length=100, chat=True)
+    untruncated = tokenised(rows, tok, tmp_path, model=tiny_model(tok), max_length=None)
+    lengths = [len(r["input_ids"]) for r in untruncated]
+    assert [conversation_length(tok, r) for r in rows] == lengths  # TRL's tokenisation, counted the same
+    max_length = sorted(lengths)[len(lengths) // 2]  # half the rows are too long
+    assert max(lengths) > max_length
+
+    with caplog.at_level(logging.INFO, logger="sage.train.sft"):
+        kept = keep_whole_rows(rows, tok, max_length)
+    dropped = sum(n > max_length for n in lengths)
+    assert 0 < len(kept) == len(rows) - dropped
+    assert f"{len(kept)} of {len(rows)} rows kept; {dropped} dropped" in caplog.text
+
+    eot = END_OF_TURN[model]
+    for row in tokenised(kept, tok, tmp_path, model=tiny_model(tok), max_length=max_length):
+        assert len(row["input_ids"]) <= max_length
+        _, covered = split_by_loss(tok, row)
+        assert covered.rstrip("\n").endswith("</SOLUTION>" + eot)
+
+
+def test_sft_max_length_that_no_row_fits_is_one_line(tmp_path):
+    from sage.train.sft import keep_whole_rows
+
+    rows = sft_dataset(long_and_short_rows(tmp_path), "train", max_prompt_length=100, chat=True)
+    with pytest.raises(ValueError, match=r"^model\.sft\.args\.max_length=8: no SFT row fits \(shortest: \d+"):
+        keep_whole_rows(rows, build_tokenizer(chat=True), 8)
+
+
+@pytest.mark.parametrize(
+    ("per_device", "accumulation", "processes", "expected"),
+    [
+        (1, 1, 1, (1, 1)),
+        (1, 1, 8, None),  # Table 7's batch of 1 cannot be shared by 8 GPUs: the main process trains it
+        (1, 8, 8, (1, 1)),
+        (1, 16, 8, (1, 2)),
+        (8, 1, 2, (4, 1)),  # the micro-batch shrinks rather than the step growing
+        (4, 3, 2, (2, 3)),
+        (3, 2, 4, None),
+        (6, 2, 4, (3, 1)),
+    ],
+)
+def test_sft_batch_split_keeps_the_effective_batch(per_device, accumulation, processes, expected):
+    from sage.train.sft import split_batch
+
+    split = split_batch(per_device, accumulation, processes)
+    assert split == expected
+    if split is not None:
+        micro, acc = split
+        assert micro * acc * processes == per_device * accumulation and micro <= per_device

@@ -5,6 +5,7 @@ line naming the source, row and field when a row lacks a field."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from sage.data.prompts import (
     make_completion,
     make_prompt,
 )
+
+log = logging.getLogger(__name__)
 
 
 def load_rows(source: str, split: str, subset: str | None = None) -> Dataset:
@@ -103,6 +106,26 @@ def require_fields(ds: Dataset, fields: list[str], source: str) -> None:
                 raise ValueError(f"{source}: row {i} has no value for field {f!r}")
 
 
+# The answer-format instruction the raw DAPO-Math-17k prompts carry around each problem. It asks for a last
+# line "Answer: ...", which contradicts the system prompt's <SOLUTION> tags that the reward reads: a model
+# that obeys it scores 0. The Processed set is meant to have it removed; a copy that still holds it (or the
+# raw set given as data.source) has it stripped here, and the count is logged.
+DAPO_INSTRUCTION_HEAD = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_INSTRUCTION_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+def strip_answer_instruction(problem: str) -> str:
+    """``problem`` without DAPO's answer-format instruction (the problem text itself is kept whole)."""
+    if problem.startswith(DAPO_INSTRUCTION_HEAD):
+        problem = problem[len(DAPO_INSTRUCTION_HEAD) :]
+    if problem.endswith(DAPO_INSTRUCTION_TAIL):
+        problem = problem[: -len(DAPO_INSTRUCTION_TAIL)]
+    return problem
+
+
 def math_prompts(
     source: str,
     split: str,
@@ -118,9 +141,19 @@ def math_prompts(
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     require_fields(ds, [problem_field, answer_field], source)
+    problems = [strip_answer_instruction(p) for p in ds[problem_field]]
+    stripped = sum(a != b for a, b in zip(problems, ds[problem_field], strict=True))
+    if stripped:
+        log.info("%s: the answer-format instruction removed from %d of %d prompts", source, stripped, len(ds))
+    for i, p in enumerate(problems):
+        if "Answer: $Answer" in p:  # a variant of the instruction this loader does not know how to remove
+            raise ValueError(
+                f"{source}: row {i} still asks for a last line 'Answer: $Answer', which contradicts the "
+                "<SOLUTION> format the reward reads; remove the instruction from the data"
+            )
     return Dataset.from_dict(
         {
-            "prompt": [make_prompt(p, chat) for p in ds[problem_field]],
+            "prompt": [make_prompt(p, chat) for p in problems],
             "answer": [str(a) for a in ds[answer_field]],
         }
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from sage import distributed, paths
+from sage import paths
 from sage.config import ConfigError
 from sage.testbed.task import (
     DEFAULT_SLIP_RATE,
@@ -106,15 +106,10 @@ def build_tiny_model(
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)
         return str(final)
-    build = functools.partial(_build, config)
-    if distributed.world_size() > 1 and distributed.initialized():
-        # transformers writes a model's weights from rank 0 of a process group only: a build by another
-        # rank would leave a folder without them. The main process builds; the others wait and load it.
-        if distributed.is_main():
-            paths.build_once(final, BUILD_INFO_FILE, build)
-        distributed.barrier()
-        return str(final)
-    return str(paths.build_once(final, BUILD_INFO_FILE, build))
+    # transformers writes a model's weights from rank 0 of a process group only: a build by another rank
+    # would leave a folder without them. In a multi-process run the main process builds (or waits for
+    # another job's build) while the others wait for it on the file system.
+    return str(paths.build_once(final, BUILD_INFO_FILE, functools.partial(_build, config), processes="main"))
 
 
 def _build(config: dict, folder: Path) -> None:

@@ -259,7 +259,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     validate(cfg)
     check_store(cfg)
     divergence, guide = build_parts(cfg)
-    distributed.init()
+    distributed.init(timeout_s=cfg.trl.ddp_timeout)  # the Trainer's own timeout, for the group made here
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
     out = Path(distributed.broadcast(str(cfg.output_dir or HydraConfig.get().runtime.output_dir))).resolve()
     out.mkdir(parents=True, exist_ok=True)
