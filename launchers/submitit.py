@@ -85,11 +85,14 @@ class _SageSubmitit:
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
-    def _job_params(self, job_overrides, initial_job_idx: int) -> list[tuple]:
+    def _job_params(self, job_overrides, initial_job_idx: int, parent_id: str | None = None) -> list[tuple]:
+        from sage.grid import name_keys, with_grid
+
+        keys = name_keys(job_overrides)
         params = []
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
-            overrides = with_resume_auto(list(overrides))
+            overrides = with_grid(with_resume_auto(list(overrides)), keys, parent_id)
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             params.append((overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         return params
@@ -114,11 +117,27 @@ class _SageSubmitit:
         return executor
 
     def _start(self, job_overrides, initial_job_idx: int) -> tuple[Any, list[tuple]]:
-        """Make the sweep dir; submitit's executor and each job's call arguments."""
+        """Make the sweep dir and the grid's MLflow parent run (``sage.grid``; not when a sweeper that
+        owns one, Optuna's, launches); submitit's executor and each job's call arguments."""
+        from sage.grid import open_parent, sets
+
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")  # type: ignore[attr-defined]
-        return self._executor(), self._job_params(job_overrides, initial_job_idx)
+        self.parent_id = None
+        tracking = self.config.get("tracking")  # type: ignore[attr-defined]
+        if tracking is not None and not any(sets(o, "tracking.parent_run_id") for o in job_overrides):
+            self.parent_id = open_parent(tracking, sweep_dir, name=f"grid-{sweep_dir.name}")
+        return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
+
+    def _finish(self, results: list[JobReturn]) -> list[JobReturn]:
+        """The grid's parent run gets sage-report's output over its runs, and ends."""
+        from sage.grid import close_parent
+
+        if self.parent_id is not None:
+            ok = all(r.status == JobStatus.COMPLETED for r in results)
+            close_parent(self.config.tracking, self.parent_id, ok)  # type: ignore[attr-defined]
+        return results
 
     @staticmethod
     def _result(job, job_num: int, overrides: list[str]) -> JobReturn:
@@ -153,7 +172,7 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
                 running[i] = executor.submit(self, *params[i])
             self._collect(running, params, results, force=False)
             time.sleep(0.5)
-        return [results[i] for i in range(len(params))]
+        return self._finish([results[i] for i in range(len(params))])
 
 
 class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
@@ -169,4 +188,4 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
             polled = time.monotonic() if force else polled
             self._collect(running, params, results, force)
             time.sleep(1)
-        return [results[i] for i in range(len(params))]
+        return self._finish([results[i] for i in range(len(params))])

@@ -239,7 +239,18 @@ class TrackingConfig:
         metadata={"help": "None: $MLFLOW_TRACKING_URI, else sqlite:///<runs root>/mlflow.db (embedded)"},
     )
     experiment: str = "sage"
-    run_name: str | None = None
+    run_name: str | None = field(
+        default=None,
+        metadata={"help": "None: <method>[-<key><value>...][-t<trial>]-s<seed> (sage.tracking.run_name)"},
+    )
+    name_keys: list[str] = field(
+        default_factory=list,
+        metadata={"help": "overrides whose values name the run (set by sage's launchers and sweeper)"},
+    )
+    parent_run_id: str | None = field(
+        default=None,
+        metadata={"help": "the grid's or study's parent run (set by sage's launchers and sweeper)"},
+    )
     tags: dict[str, str] = field(default_factory=dict, metadata={"help": "extra tags, e.g. study, trial"})
     completions_sample: int | None = field(
         default=None, metadata={"help": "problems per dataset whose completions are saved (None: all)"}

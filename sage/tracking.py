@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run_id"
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's UI nests a run under the run this tag names
+NOTE_TAG = "mlflow.note.content"  # the run's Description in MLflow's UI
+RUN_NOTE = (
+    "Metrics eval/<label>/<dataset>/pass_at_<k> are logged at the optimiser step of the evaluated model "
+    "(0 for the base model). In the series eval/<label>/<dataset>/pass_at_k_curve the step is k, not a "
+    "training step: the chart is pass@k against k. Artifacts under eval/ hold the pass@k figure and table "
+    "and the completions of the first evaluation seed as a table."
+)
 # The config groups whose choice is a tag (the filters users group runs by).
 GROUP_TAGS = (
     "model",
@@ -102,6 +110,44 @@ def hydra_context() -> tuple[dict[str, str], dict[str, str]]:
     if str(hc.mode) == "RunMode.MULTIRUN":
         sweep = {"grid": str(Path(hc.sweep.dir).resolve()), "job_num": str(hc.job.num)}
     return choices, sweep
+
+
+def job_overrides() -> dict[str, str]:
+    """The current Hydra job's command-line overrides, key -> value as typed; empty outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return {}
+    parsed = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return {o.key_or_group: o.get_value_element_as_str() for o in parsed}
+
+
+def run_name(cfg: DictConfig) -> str:
+    """``tracking.run_name``, else what ran: ``<method>-s<seed>``, with the value of each of
+    ``tracking.name_keys`` (the overrides that differ between the jobs of a grid or the trials of a study,
+    named by sage's launchers and sweeper) and a study's trial number in between, e.g.
+    ``grpo_branch-threshold0.3-ratio0.5-s2``. Never left to MLflow: its random name is drawn from the
+    global RNG, which sage-train has already seeded, so every run of one seed got the same name."""
+    if cfg.tracking.run_name:
+        return str(cfg.tracking.run_name)
+    choices, _ = hydra_context()
+    method = cfg.get("method") or choices.get("experiment") or choices.get("algorithm") or "run"
+    parts = [str(method)]
+    given = job_overrides()
+    keys = [k for k in cfg.tracking.name_keys if k != "seed"]
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    for key, name in zip(keys, short, strict=True):
+        value = given.get(key, OmegaConf.select(cfg, key, default=None))
+        if value is None or (key == "experiment" and value == method):  # the method already says it
+            continue
+        label = name if short.count(name) == 1 else key  # guide.beta and divergence.beta stay apart
+        parts.append(f"{label}{value}")
+    if "trial" in cfg.tracking.tags:
+        parts.append(f"t{cfg.tracking.tags.trial}")
+    if cfg.get("seed") is not None:
+        parts.append(f"s{cfg.seed}")
+    return "-".join(parts)
 
 
 class Tracker:
@@ -330,6 +376,8 @@ def start_run(
         for k, v in params.items():
             if before.get(k) != v:
                 client.set_tag(run_id, f"resumed.{k}", v)
+        if cfg.tracking.parent_run_id:  # a grid rerun: the run joins the grid's parent
+            client.set_tag(run_id, PARENT_TAG, str(cfg.tracking.parent_run_id))
     else:
         choices, sweep = hydra_context()
         tags = {
@@ -346,7 +394,10 @@ def start_run(
         if key is not None:
             tags["sage.settings_key"] = key
         tags = {k: redact(v) for k, v in tags.items()}
-        run = client.create_run(exp_id, run_name=cfg.tracking.run_name, tags=tags)
+        if cfg.tracking.parent_run_id:
+            tags[PARENT_TAG] = str(cfg.tracking.parent_run_id)
+        tags = {**tags, NOTE_TAG: RUN_NOTE}
+        run = client.create_run(exp_id, run_name=run_name(cfg), tags=tags)
         run_id = run.info.run_id
         id_file.write_text(run_id)
         from mlflow.entities import Param

@@ -134,6 +134,8 @@ class SageOptunaSweeper(Sweeper):
         self.pruner = pruner
         self.prune_on = prune_on
         self.job_idx = 0
+        self.space_keys: list[str] = []  # the searched keys, which name each trial's run (sage.grid)
+        self.parent_id: str | None = None  # the study's MLflow parent run, opened by sweep()
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.hydra_context = hydra_context
@@ -212,6 +214,9 @@ class SageOptunaSweeper(Sweeper):
             *(f"{k}={quote(v)}" for k, v in params.items()),
             f"++tracking.tags.study={quote(self.study_name)}",
             f"++tracking.tags.trial={quote(str(number))}",
+            # the run is named by the searched values and nested under the study's parent run (sage.grid)
+            f"tracking.name_keys=[{','.join(self.space_keys)}]",
+            *([f"tracking.parent_run_id={self.parent_id}"] if self.parent_id else []),
             *([f"+callbacks.optuna_pruning={quote(self.pruning_node(number))}"] if self.prune_on else []),
         ]
 
@@ -313,10 +318,9 @@ class SageOptunaSweeper(Sweeper):
         return vals
 
     def sweep(self, arguments: list[str]) -> list[dict[str, Any]]:
-        from optuna.trial import TrialState
-
         self.check_settings()
         space, fixed = self.search_space(arguments)
+        self.space_keys = list(space)
         self.compose_samples(space, fixed)
         study = self.create_study(space)
         self.recover_lost_trials(study)
@@ -324,6 +328,21 @@ class SageOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        from sage.grid import close_parent, open_parent
+
+        self.parent_id = open_parent(self.config.tracking, sweep_dir, name=f"study-{self.study_name}")
+        try:
+            best = self.run_study(study, space, fixed, sweep_dir)
+        except BaseException:
+            close_parent(self.config.tracking, self.parent_id, ok=False)
+            raise
+        close_parent(self.config.tracking, self.parent_id, ok=True)
+        return best
+
+    def run_study(self, study, space: dict[str, Any], fixed: list[str], sweep_dir: Path) -> list[dict]:
+        """Ask, launch and tell until ``n_trials`` trials have finished; the best trials."""
+        from optuna.trial import TrialState
+
         finished = (TrialState.COMPLETE, TrialState.PRUNED)
         done = len(study.get_trials(deepcopy=False, states=finished))
         log.info(

@@ -1,0 +1,148 @@
+"""The MLflow side of a grid (``sage-train -m``) or an Optuna study: run names and one parent run.
+
+- ``name_keys``: the overrides whose values differ between the jobs of a grid; sage's launchers hand them
+  to every job as ``tracking.name_keys``, and ``sage.tracking.run_name`` puts their values in the run name.
+- ``open_parent``: the driver process (launcher or sweeper) opens the grid's parent run before it submits
+  anything, and every job gets ``tracking.parent_run_id``, so its run is the parent's child
+  (``mlflow.parentRunId``). The parent is found by its sweep dir (tag ``sage.sweep_dir``): rerunning the
+  same grid reuses it and never makes a second one.
+- ``close_parent``: when the grid ends, ``sage-report`` over the parent's children is logged into it as
+  artifacts (``report/report.md``, ``report/figures/*.png``, ``report/tables/*.csv``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
+
+log = logging.getLogger(__name__)
+
+SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid or study: the sweep dir it was launched into
+REPORT_TAG = "sage.report_of"  # the parent made by sage-report --log-to-mlflow: what it reports on
+PARENT_KIND = "grid"  # its sage.kind: sage-report lists it and leaves it out of every table
+# Overrides that never tell two jobs' results apart (where a job writes, logs, resumes): not in run names.
+UNNAMED = ("hydra", "tracking", "callbacks", "resume", "output_dir")
+PARENT_NOTE = (
+    "The parent run of a grid or study: its runs are nested under it. Its artifacts under report/ are "
+    "sage-report's output over those runs: report.md, figures/*.png, tables/*.csv."
+)
+
+
+def name_keys(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """The keys of the overrides whose value differs between the jobs (or that some jobs lack), in the
+    order they were given: ``experiment=grpo,grpo_branch seed=1,2 rollout=fast`` -> [experiment, seed]."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    values: dict[str, list[str]] = {}
+    for overrides in job_overrides:
+        for o in parser.parse_overrides(list(overrides)):
+            values.setdefault(o.key_or_group, []).append(o.get_value_element_as_str())
+    n = len(job_overrides)
+    return [
+        k for k, v in values.items() if k.split(".", 1)[0] not in UNNAMED and (len(set(v)) > 1 or len(v) < n)
+    ]
+
+
+def sets(overrides: Sequence[str], key: str) -> bool:
+    """Whether ``overrides`` set ``key`` (with or without a +/++/~ prefix)."""
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def with_grid(overrides: Sequence[str], keys: Sequence[str], parent_id: str | None) -> list[str]:
+    """A job's overrides plus its grid's name keys and parent run, unless it sets them itself (the Optuna
+    sweeper sets both for its trials; a user may name a run with ``tracking.run_name``)."""
+    out = list(overrides)
+    if keys and not sets(out, "tracking.name_keys"):
+        out.append(f"tracking.name_keys=[{','.join(keys)}]")
+    if parent_id and not sets(out, "tracking.parent_run_id"):
+        out.append(f"tracking.parent_run_id={parent_id}")
+    return out
+
+
+def open_parent(tracking: DictConfig, sweep_dir: Path, name: str) -> str | None:
+    """The id of the parent run of the grid or study launched into ``sweep_dir``: the one an earlier launch
+    into the same folder made (set RUNNING again), else a new one. None with ``tracking.enabled=false``."""
+    if not tracking.enabled:
+        return None
+    uri = resolve_uri(tracking.uri)
+    client, exp_id = open_store(uri, tracking.experiment)
+    key = str(Path(sweep_dir).resolve())
+    earlier = client.search_runs([exp_id], f"tags.`{SWEEP_TAG}` = '{key}'", max_results=1)
+    if earlier:
+        run_id = earlier[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        log.info("MLflow parent run %s of %s (continued) in %s", run_id, key, redact(uri))
+        return run_id
+    tags = {SWEEP_TAG: key, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
+    run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id
+    log.info("MLflow parent run %s of %s (new) in %s", run_id, key, redact(uri))
+    return run_id
+
+
+def close_parent(tracking: DictConfig, run_id: str | None, ok: bool) -> None:
+    """Log sage-report's output over the parent's children into it, and end it: FINISHED if every job
+    succeeded, else FAILED. A report that cannot be made (no finished run yet) is said in a logged line
+    and in the tag ``sage.report``; the grid's own result does not depend on it."""
+    if run_id is None:
+        return
+    uri = resolve_uri(tracking.uri)
+    client, _ = open_store(uri, tracking.experiment)
+    children = f"tags.`{PARENT_TAG}` = '{run_id}'"
+    problem = log_report(client, run_id, uri, tracking.experiment, children)
+    client.set_tag(run_id, "sage.report", problem or "report/report.md")
+    if problem:
+        log.warning("sage-report over the grid's runs (parent run %s) failed: %s", run_id, problem)
+    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+
+
+def log_report(client, run_id: str, uri: str, experiment: str, filter_string: str) -> str | None:
+    """Run sage-report on ``experiment`` and ``filter_string`` into a temporary folder and log it into run
+    ``run_id`` under ``report/``; the reason it failed, else None."""
+    from analysis import report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report" / "report.md"
+        args = ["--tracking-uri", uri, "--experiment", experiment, "--filter", filter_string]
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            code = report.main([*args, "--out", str(out)])
+        if code != 0:
+            return errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else f"exit {code}"
+        log_report_files(client, run_id, out, out.parent / "figures", out.parent / "tables")
+    return None
+
+
+def log_report_files(client, run_id: str, markdown: Path, figures: Path, tables: Path) -> None:
+    """A written report into run ``run_id``: ``report/<name>.md``, ``report/figures``, ``report/tables``."""
+    client.log_artifact(run_id, str(markdown), artifact_path="report")
+    for folder in (figures, tables):
+        if folder.is_dir() and any(folder.iterdir()):
+            client.log_artifacts(run_id, str(folder), artifact_path=f"report/{folder.name}")
+
+
+def report_parent(client, experiment: str, key: str) -> str:
+    """The parent run sage-report --log-to-mlflow logs into for ``key`` (experiment, filter, run ids):
+    the one an earlier call made, else a new one in the first experiment named."""
+    from mlflow.exceptions import MlflowException
+
+    name = experiment.split(",")[0].strip()
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        raise MlflowException(f"no experiment {name!r}")
+    quote = '"' if "'" in key else "'"  # a filter such as tags.guide != 'none'
+    earlier = client.search_runs(
+        [exp.experiment_id], f"tags.`{REPORT_TAG}` = {quote}{key}{quote}", max_results=1
+    )
+    if earlier:
+        return earlier[0].info.run_id
+    tags = {REPORT_TAG: key, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
+    return client.create_run(exp.experiment_id, run_name=f"report-{name}", tags=tags).info.run_id
