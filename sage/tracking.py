@@ -159,6 +159,8 @@ class Tracker:
         self.resumed = resumed
         self._last_step = self._last_logged_step() if resumed else -1
         self._eval_steps: dict[str, int] = {}  # label -> the step its evaluation was logged at
+        # dataset -> label -> pass@k curve per evaluation seed: a dataset's figure shows base and trained
+        self._curves: dict[str, dict[str, list[dict[int, float]]]] = {}
 
     def _last_logged_step(self) -> int:
         history = self.client.get_metric_history(self.run_id, "train/loss")
@@ -178,33 +180,58 @@ class Tracker:
         self.log_metrics({f"train/{k}": v for k, v in logs.items()}, step)
 
     def log_eval(
-        self, label: str, dataset: str, result: dict, ks: list[int], n_problems: int | None, step: int = 0
+        self,
+        label: str,
+        dataset: str,
+        result: dict,
+        ks: list[int],
+        n_problems: int | None,
+        step: int = 0,
+        rows: list[dict] | None = None,
     ) -> None:
-        """pass@k at the reported ks (mean and std over seeds) as metrics at ``step``, the optimiser step of
-        the evaluated model (0 for a base model), so the evaluations of a run extended to more steps form a
-        history; the whole curve k = 1..n as a series with step = k; as artifacts the correctness matrices
-        of every seed (npz: arr_0, arr_1, ... problems x samples) and the completions of the first seed
-        (JSON, problems x samples, row-aligned with arr_0), for the first ``n_problems`` problems (None:
-        all). A point the run already holds (same key, step and value: a resumed run evaluating the same
-        model again) is not logged twice."""
+        """pass@k at the reported ks as metrics at ``step``, the optimiser step of the evaluated model (0 for
+        a base model), so the evaluations of a run extended to more steps form a history; with one
+        evaluation seed no ``_std`` (it would chart as nothing). The whole curve k = 1..n as a series with
+        step = k. Artifacts: the correctness matrices of every seed (npz: arr_0, arr_1, ... problems x
+        samples, for machines); for a person, ``eval/passk_<dataset>.png`` (pass@k against log k, every label
+        evaluated so far, mean over seeds with the seeds' range as a band) and its numbers as
+        ``eval/passk_<dataset>.csv``, and the completions of the first seed for the first ``n_problems``
+        problems (None: all) as an MLflow table with prompt, gold, completion, extracted answer and correct
+        (prompt and gold need ``rows``, the dataset's rows). A point the run already holds (same key, step
+        and value: a resumed run evaluating the same model again) is not logged twice."""
         from sage.metrics import pass_at_k_curve
 
         prefix = f"eval/{label}/{dataset}"
         self._eval_steps[label] = step
-        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in result["summary"].items()}, step=step))
+        summary = result["summary"]
+        if len(result["correct"]) == 1:
+            summary = {k: v for k, v in summary.items() if not k.endswith("_std")}
+        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in summary.items()}, step=step))
         curves = [pass_at_k_curve(c) for c in result["correct"]]
         mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
         self._log_new([_metric(f"{prefix}/pass_at_k_curve", v, k) for k, v in mean_curve.items()])
+        self._curves.setdefault(dataset, {})[label] = curves
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             matrices = Path(tmp) / f"{label}_{dataset}_correct.npz"
             np.savez_compressed(matrices, *result["correct"])
-            sample = Path(tmp) / f"{label}_{dataset}_completions.json"
-            first_seed = result["completions"][0]  # problems x samples
-            sample.write_text(json.dumps(first_seed[:n_problems]))
-            for f in (matrices, sample):
-                self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
+            self.client.log_artifact(self.run_id, str(matrices), artifact_path=f"eval/{label}")
+            table = passk_table(self._curves[dataset])
+            csv = Path(tmp) / f"passk_{dataset}.csv"
+            table.to_csv(csv, index=False)
+            figure = passk_figure(table, dataset, Path(tmp) / f"passk_{dataset}.png")
+            for f in (csv, figure):
+                self.client.log_artifact(self.run_id, str(f), artifact_path="eval")
+        name = f"eval/{label}/{label}_{dataset}_completions_step{step}.json"
+        if not self._holds(name):  # log_table appends to an existing file: a resumed run's would double
+            frame = completions_table(result["completions"][0], result["correct"][0], rows, n_problems)
+            self.client.log_table(self.run_id, data=frame, artifact_file=name)
+
+    def _holds(self, artifact: str) -> bool:
+        folder = artifact.rsplit("/", 1)[0]
+        held = self.client.list_artifacts(self.run_id, folder) if self.resumed else []
+        return any(f.path == artifact for f in held)
 
     def log_analyses(
         self, label: str, dataset: str, values: dict[str, float], perplexities: list[float] | None
@@ -243,6 +270,70 @@ class Tracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, redact(value))
+
+
+def passk_table(curves: dict[str, list[dict[int, float]]]):
+    """label -> per-seed pass@k curves -> one row per (label, k): mean, std (None with one seed), min and
+    max over the seeds, and the number of seeds."""
+    import pandas as pd
+
+    rows = []
+    for label, per_seed in curves.items():
+        for k in per_seed[0]:
+            values = np.array([c[k] for c in per_seed])
+            std = float(values.std(ddof=1)) if len(values) > 1 else None
+            rows.append((label, k, float(values.mean()), std, values.min(), values.max(), len(values)))
+    return pd.DataFrame(rows, columns=["label", "k", "mean", "std", "min", "max", "seeds"])
+
+
+def passk_figure(table, dataset: str, path: Path) -> Path:
+    """pass@k against k on a log axis, a line per label (base, trained) with the seeds' range as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: a job on a cluster node
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, part in table.groupby("label", sort=False):
+        ax.plot(part["k"], part["mean"], marker=".", label=label)
+        ax.fill_between(part["k"], part["min"], part["max"], alpha=0.25)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (samples per problem)")
+    ax.set_ylabel("pass@k")
+    seeds = int(table["seeds"].max())
+    ax.set_title(f"{dataset}: pass@k (band: range over {seeds} evaluation seed{'s' * (seeds > 1)})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def completions_table(completions: list, correct, rows: list[dict] | None, n_problems: int | None):
+    """One line per sample of the first ``n_problems`` problems (None: all): problem index, sample,
+    prompt and gold (from ``rows``; empty without them), completion, extracted answer, correct."""
+    import pandas as pd
+
+    from sage.grading import _completion_text, _safe_extract
+
+    lines = []
+    for i, samples in enumerate(completions[:n_problems]):
+        row = rows[i] if rows is not None else {}
+        for j, completion in enumerate(samples):
+            text = _completion_text(completion)
+            lines.append(
+                {
+                    "problem": i,
+                    "sample": j,
+                    "prompt": str(row.get("problem", "")),
+                    "gold": str(row.get("answer", "")),
+                    "completion": text,
+                    "extracted_answer": _safe_extract(text) or "",
+                    "correct": bool(correct[i][j]),
+                }
+            )
+    return pd.DataFrame(lines)
 
 
 def _now_ms() -> int:

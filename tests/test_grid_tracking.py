@@ -86,3 +86,66 @@ def test_jobs_are_children_of_one_parent_that_a_rerun_reuses(tmp_path):
     assert client.get_run(parent).info.status == "RUNNING"
     exp = client.get_experiment_by_name("grid").experiment_id
     assert len(client.search_runs([exp], "tags.`sage.kind` = 'grid'")) == 2  # sweep and other, once each
+
+
+def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
+    import json
+
+    import numpy as np
+    import pandas as pd
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = cfg_for(f"tracking.uri={uri}", "tracking.experiment=artifacts")
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}]
+    completions = [["<SOLUTION>2</SOLUTION>", "3"], ["<SOLUTION>5</SOLUTION>", "<SOLUTION>4</SOLUTION>"]]
+    correct = np.array([[True, False], [False, True]])
+    one_seed = {
+        "summary": {"pass@1": 0.5, "pass@1_std": 0.0},
+        "correct": [correct],
+        "completions": [completions],
+    }
+    two_seeds = {
+        "summary": {"pass@1": 0.5, "pass@1_std": 0.1},
+        "correct": [correct, np.ones_like(correct)],
+        "completions": [completions, completions],
+    }
+    (tmp_path / "run").mkdir()
+    with start_run(cfg, tmp_path / "run", kind="train") as tracker:
+        tracker.log_eval("base", "ds", one_seed, [1], None, step=0, rows=rows)
+        tracker.log_eval("trained", "ds", two_seeds, [1], 1, step=3, rows=rows)
+        run_id = tracker.run_id
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    metrics = run.data.metrics
+    assert "eval/base/ds/pass_at_1" in metrics and "eval/base/ds/pass_at_1_std" not in metrics
+    assert metrics["eval/trained/ds/pass_at_1_std"] == 0.1
+    assert "step is k" in run.data.tags["mlflow.note.content"]
+    files = {f.path for f in client.list_artifacts(run_id, "eval")}
+    assert {"eval/passk_ds.png", "eval/passk_ds.csv"} <= files
+    folder = Path(client.download_artifacts(run_id, "eval", str(tmp_path / "dl")))
+    table = pd.read_csv(folder / "passk_ds.csv")
+    # base: one seed, pass@1 = 0.5, pass@2 = 1.0 (each problem has one right sample of two)
+    base = table[table.label == "base"].set_index("k")
+    assert base.loc[1, "mean"] == 0.5 and base.loc[2, "mean"] == 1.0 and np.isnan(base.loc[1, "std"])
+    trained = table[table.label == "trained"].set_index("k")  # seeds: 0.5 and 1.0
+    assert trained.loc[1, "mean"] == 0.75 and (trained.loc[1, "min"], trained.loc[1, "max"]) == (0.5, 1.0)
+    logged = json.loads((folder / "base" / "base_ds_completions_step0.json").read_text())
+    frame = pd.DataFrame(logged["data"], columns=logged["columns"])
+    assert list(frame.columns) == [
+        "problem",
+        "sample",
+        "prompt",
+        "gold",
+        "completion",
+        "extracted_answer",
+        "correct",
+    ]
+    assert frame.iloc[0][["prompt", "gold", "extracted_answer", "correct"]].tolist() == [
+        "1+1?",
+        "2",
+        "2",
+        True,
+    ]
+    assert len(frame) == 4
+    shown = json.loads((folder / "trained" / "trained_ds_completions_step3.json").read_text())
+    assert len(shown["data"]) == 2  # n_problems=1: the first problem's two samples

@@ -107,7 +107,8 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             logged = tracker.client.get_run(tracker.run_id).data.metrics
             new = {ds: r for ds, r in res.items() if metric_key(f"eval/{label}/{ds}/pass@1") not in logged}
             for ds, r in new.items():
-                tracker.log_eval(label, ds, r, list(cfg.eval.ks), cfg.tracking.completions_sample)
+                shown = cfg.tracking.completions_sample
+                tracker.log_eval(label, ds, r, list(cfg.eval.ks), shown, rows=rows[ds])
             if new:
                 log_analyses(
                     tracker,

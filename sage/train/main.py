@@ -373,7 +373,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     if tracker is not None:  # at the evaluated model's step (final/ records it; base: 0)
                         step = max(final_step(Path(path)), 0)
                         ks, shown = list(cfg.eval.ks), cfg.tracking.completions_sample
-                        tracker.log_eval(label, ds, r, ks, shown, step=step)
+                        tracker.log_eval(label, ds, r, ks, shown, step=step, rows=eval_rows[ds])
                 if tracker is not None:  # what the samples say, under the start model (the reference)
                     log_analyses(
                         tracker,
