@@ -1,15 +1,30 @@
-"""The GPU memory plan of a paper run (sage.train.memory): parameter counts against transformers and peft,
-each term against its hand-computed bytes, and every paper model composed with trl=paper rollout=vllm
-planned to fit an 80 GiB GPU."""
+"""The plan of a run or grid before submission (sage.train.memory): parameter counts against transformers and
+peft, each memory term against its hand-computed bytes, the reference at the dtype TRL really builds it in
+and DDP's gradient buckets (issue 20, item 9: qwen2.5-3b-instruct full fine-tuning is 83.5 GiB on one GPU
+and 94.9 GiB under 8-process torchrun at the default vLLM share, so it is not reported as fitting), every
+paper model planned to fit an 80 GiB GPU with the README's commands, a Hydra grid expanded as the basic
+sweeper does with each job's completions, and the cluster warnings (SQLite written from several nodes, a
+folder the jobs must share on a node-local filesystem)."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from sage.train.memory import GIB, Architecture, Batch, estimate
+from sage.train.memory import (
+    GIB,
+    Architecture,
+    Batch,
+    estimate,
+    mount_of,
+    shared_folder_warnings,
+)
 
+MATH_DATA = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
+needs_math_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"benchmark files not in {MATH_DATA}")
 SMALL = Architecture(
     hidden_size=64,
     intermediate_size=160,
@@ -59,32 +74,145 @@ def test_estimate_terms_by_hand():
         gradient_checkpointing=True,
         vllm_fraction=0.5,
         gpu_gib=80,
+        dtype="bfloat16",
     )
     assert parts["weights"] * GIB == pytest.approx(2 * p)  # frozen bf16 base
-    assert parts["trainable_state"] * GIB == pytest.approx(
-        lora * (4 + 4 + 2)
-    )  # fp32 copy, grad, 8-bit moments
+    # fp32 adapter, fp32 grad, 8-bit moments
+    assert parts["trainable_state"] * GIB == pytest.approx(lora * (4 + 4 + 2))
     assert parts["reference"] == 0  # the adapter disabled is the reference
+    assert parts["ddp_buckets"] == 0  # one process: no DDP
     layer = 2 * 40 * (4 * h + 2 * kv + 3 * i) * 2 * 2
     assert parts["activations"] * GIB == pytest.approx(2 * 40 * h * 2 * n_layers + layer)
     assert parts["logits"] * GIB == pytest.approx(2 * 30 * v * 2 * 2 + 30 * v * 4)
     assert parts["vllm"] == 40
+    two = Batch(
+        micro=2, accumulation=4, processes=2, num_generations=8, prompt_tokens=10, completion_tokens=30
+    )
+    lora_ddp = estimate(
+        SMALL,
+        two,
+        lora=(8, ["q_proj"]),
+        beta=0.05,
+        optim="adamw_8bit",
+        gradient_checkpointing=True,
+        vllm_fraction=0.5,
+        gpu_gib=80,
+        dtype="bfloat16",
+    )
+    assert lora_ddp["ddp_buckets"] * GIB == pytest.approx(4 * lora)  # the fp32 adapter's gradients again
     full = estimate(
         SMALL,
-        batch,
+        two,
         lora=None,
         beta=0.05,
         optim="adamw_torch",
         gradient_checkpointing=False,
         vllm_fraction=0.0,
         gpu_gib=80,
+        dtype="float32",
     )
-    # float32 master weights, fp32 grad + two fp32 moments, a bf16 reference copy
+    # float32 master weights, fp32 grad + two fp32 moments, a float32 reference (TRL builds it with the
+    # policy's model_init_kwargs), fp32 DDP buckets
     assert full["weights"] * GIB == pytest.approx(4 * p)
     assert full["trainable_state"] * GIB == pytest.approx(p * (4 + 8))
-    assert full["reference"] * GIB == pytest.approx(2 * p)
+    assert full["reference"] * GIB == pytest.approx(4 * p)
+    assert full["ddp_buckets"] * GIB == pytest.approx(4 * p)
     assert full["activations"] * GIB == pytest.approx(layer * (n_layers + 1))
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k not in ("total", "gpu")))
+    no_kl = estimate(
+        SMALL,
+        two,
+        lora=None,
+        beta=0.0,
+        optim="adamw_torch",
+        gradient_checkpointing=False,
+        vllm_fraction=0.0,
+        gpu_gib=80,
+        dtype="float32",
+    )
+    assert no_kl["reference"] == 0  # beta 0: TRL builds no reference
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_reference_is_what_trl_builds(tmp_path, lora):
+    """TRL's GRPOTrainer, given sage-train's model_init_kwargs: full fine-tuning builds a reference at the
+    policy's dtype (float32 master weights: 4 bytes per parameter, the plan's ``reference`` term); LoRA
+    builds none (the adapter disabled is the reference)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from sage.testbed.tokenizer import build_tokenizer
+
+    model, arch = small_model(tied=True)
+    tok = build_tokenizer()
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        beta=0.05,
+        model_init_kwargs={"dtype": "float32"},
+        per_device_train_batch_size=8,
+        max_completion_length=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=str(tmp_path / "m"),
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 8}),
+        peft_config=LoraConfig(r=8, target_modules=TARGETS) if lora else None,
+    )
+    if lora:
+        assert trainer.ref_model is None
+        return
+    ref = trainer.ref_model
+    assert {p.dtype for p in ref.parameters()} == {torch.float32}
+    built = sum(p.numel() * p.element_size() for p in ref.parameters())
+    resized = Architecture(**(arch.__dict__ | {"vocab_size": len(tok)}))
+    biases = resized.num_hidden_layers * (resized.hidden_size + 2 * resized.kv_size)
+    batch = Batch(
+        micro=1, accumulation=1, processes=1, num_generations=8, prompt_tokens=4, completion_tokens=4
+    )
+    parts = estimate(
+        resized,
+        batch,
+        lora=None,
+        beta=0.05,
+        optim="adamw_torch",
+        gradient_checkpointing=True,
+        vllm_fraction=0,
+        gpu_gib=80,
+        dtype="float32",
+    )
+    assert parts["reference"] * GIB == pytest.approx(built - 4 * biases)
+
+
+def compose_train(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from sage.config import register_configs
+    from sage.paths import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_the_training_dtype_is_sage_trains_model_init_kwargs():
+    from sage.train.main import grpo_args
+    from sage.train.memory import training_dtype
+
+    for model, expected in [("qwen2.5-3b-instruct", "float32"), ("qwen2.5-math-7b", "bfloat16")]:
+        cfg = compose_train(f"model={model}", "trl.bf16=false")
+        assert training_dtype(cfg) == expected == grpo_args(cfg, Path("/unused")).model_init_kwargs["dtype"]
+    cfg = compose_train(
+        "model=qwen2.5-3b-instruct", "+trl.model_init_kwargs.dtype=bfloat16", "trl.bf16=false"
+    )
+    assert training_dtype(cfg) == "bfloat16" == grpo_args(cfg, Path("/unused")).model_init_kwargs["dtype"]
 
 
 def plan(capsys, *overrides) -> tuple[int, str, str]:
@@ -96,6 +224,29 @@ def plan(capsys, *overrides) -> tuple[int, str, str]:
     return code, out, err
 
 
+PAPER = ("trl=paper", "rollout=vllm", "data=dapo_math_17k", "gpu_gib=80")
+
+
+def test_full_finetuning_of_the_3b_model_does_not_fit_at_the_default_vllm_share(capsys):
+    """The issue's figures: 83 GiB on one GPU (a float32 reference, not bf16) and 95 GiB under torchrun (the
+    DDP buckets); both exit 1 and say which vLLM share fits."""
+    code, out, _ = plan(capsys, "model=qwen2.5-3b-instruct", *PAPER)
+    assert code == 1 and "memory estimate per GPU: 83.5 GiB of 80.0 GiB, DOES NOT FIT" in out, out
+    assert "reference 11.5" in out and "ddp_buckets 0.0" in out
+    assert "fix: trl.vllm_gpu_memory_utilization=0.45 is the largest share" in out
+    code, out, _ = plan(
+        capsys, "model=qwen2.5-3b-instruct", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
+    )
+    assert code == 1 and "memory estimate per GPU: 94.9 GiB of 80.0 GiB, DOES NOT FIT" in out, out
+    assert "ddp_buckets 11.5" in out and "fix: trl.vllm_gpu_memory_utilization=0.30 " in out
+
+
+# The README's paper commands: one process (64 accumulation steps) and torchrun on 8 GPUs (8 steps each);
+# full fine-tuning of the 3B model takes the vLLM share the README gives it.
+README_SHARE = {"qwen2.5-3b-instruct": ("trl.vllm_gpu_memory_utilization=0.25",)}
+
+
+@pytest.mark.parametrize("processes", [1, 8])
 @pytest.mark.parametrize(
     "model, completion",
     [
@@ -105,17 +256,38 @@ def plan(capsys, *overrides) -> tuple[int, str, str]:
         ("qwen2.5-3b-instruct", 2048),
     ],
 )
-def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion):
+def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion, processes):
+    accumulation = 64 // processes
     code, out, err = plan(
-        capsys, f"model={model}", "trl=paper", "rollout=vllm", "data=dapo_math_17k", "gpu_gib=80"
+        capsys,
+        f"model={model}",
+        *PAPER,
+        *README_SHARE.get(model, ()),
+        f"processes={processes}",
+        f"trl.gradient_accumulation_steps={accumulation}",
     )
     assert code == 0, out + err[-2000:]
     lines = out.strip().splitlines()
-    assert lines[1].startswith("batch: 1 completions per forward pass x 64 accumulation steps x 1 processes")
+    assert lines[1].startswith(
+        f"batch: 1 completions per forward pass x {accumulation} accumulation steps x {processes} processes"
+    )
     assert (
         "(8 prompts x 8 generations)" in lines[1] and f"(1024 prompt + {completion} completion)" in lines[1]
     )
-    assert "of 80.0 GiB, fits" in lines[2] and "vllm 40.0" in lines[2]
+    assert "of 80.0 GiB, fits" in lines[2]
+    assert lines[3].startswith("vllm: trl.vllm_gpu_memory_utilization=")
+    assert lines[4].startswith("completions: training 64,000 (1000 steps x 8 prompts x 8 generations)")
+
+
+@needs_math_data
+def test_a_paper_run_counts_the_math_suite_completions(capsys):
+    """Issue 20's figure: 506 problems x 256 samples x 3 seeds = 388,608 completions per evaluated model."""
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER)
+    assert code == 0
+    assert (
+        "evaluation 388,608 per model (506 problems [aime 60, amc23 40, math500_l5 134, minerva 272] x 256 "
+        "samples x 3 seeds) x 2 models (base, trained)" in out
+    )
 
 
 def test_a_micro_batch_that_does_not_fit_exits_1(capsys):
@@ -126,6 +298,12 @@ def test_a_micro_batch_that_does_not_fit_exits_1(capsys):
     assert "DOES NOT FIT" in out
 
 
+def test_a_vllm_share_below_its_weights_does_not_fit(capsys):
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "trl.vllm_gpu_memory_utilization=0.1")
+    assert code == 1
+    assert "gives 8.0 GiB, which cannot hold its 14.2 GiB of weights: DOES NOT FIT" in out
+
+
 def test_unknown_model_without_config_is_one_line(capsys):
     code, _, err = plan(
         capsys, "model=qwen2.5-math-7b", "model.source.repo_id=some/unknown-model", "trl=paper"
@@ -133,6 +311,116 @@ def test_unknown_model_without_config_is_one_line(capsys):
     assert code == 2, err[-2000:]
     assert err.strip().splitlines() == [err.strip().splitlines()[0]]  # one line
     assert err.startswith("error: model.source.repo_id='some/unknown-model'")
+
+
+def test_a_testbed_grid_is_expanded_as_hydras_basic_sweeper_does(capsys):
+    """Table 1's 7 rows (hydra.sweeper.params) x 3 seeds (command line) = 21 jobs; each job's training is
+    trl.max_steps x 8 prompts x 8 generations (the base row none), each evaluated model 200 problems x 64
+    samples x 1 seed; the start model's cells are shared by the 21 jobs, so counted once."""
+    code, out, err = plan(capsys, "-m", "hparams_search=table1", "seed=1,2,3")
+    assert code == 0, err[-2000:]
+    jobs = [line for line in out.splitlines() if line.startswith("job ")]
+    assert len(jobs) == 21
+    assert (
+        jobs[0] == "job 0 [experiment=base seed=1]:" and jobs[-1] == "job 20 [experiment=grpo_branch seed=3]:"
+    )
+    assert "memory: not estimated (model.source is sage.testbed.model.build_tiny_model" in out
+    assert "grid: 21 jobs x 1 processes (one GPU each)" in out
+    assert "completions: training 115,200\n" in out  # 18 trained jobs x 100 steps x 64
+    trained, start = 18 * 200 * 64, 200 * 64
+    assert (
+        f"completions: evaluation {trained + start:,} (trained models {trained:,}, start models {start:,}: 1 "
+        in out
+    )
+    # the command line wins over the sweeper's params on a key both name: one job
+    code, out, _ = plan(capsys, "-m", "hparams_search=table1", "experiment=grpo")
+    assert code == 0 and "grid:" not in out and "completions: training 6,400 (100 steps" in out
+
+
+def test_a_paper_grid_on_slurm_plans_every_job_at_its_processes(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    code, out, err = plan(
+        capsys,
+        "-m",
+        "hparams_search=table1",
+        "model=qwen2.5-math-7b",
+        *PAPER,
+        "seed=3407,1,2",
+        "trl.gradient_accumulation_steps=8",
+        "hydra/launcher=slurm",
+        "hydra.launcher.tasks_per_node=8",
+        "hydra.launcher.gpus_per_node=8",
+    )
+    assert code == 0, err[-2000:]
+    assert "grid: 21 jobs x 8 processes (one GPU each)" in out
+    assert "every job fits 80 GiB" in out
+    assert out.count("x 8 accumulation steps x 8 processes = 64 completions") == 21
+    assert "completions: training 1,152,000\n" in out  # 18 x 1000 steps x 64
+    assert "SQLite" not in out  # a tracking server
+
+
+def test_processes_that_contradict_the_launcher_are_one_line(capsys):
+    code, _, err = plan(capsys, "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=8", "processes=4")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: processes=4: the launcher runs hydra.launcher.tasks_per_node x nodes = 8")
+
+
+def test_an_optuna_study_is_not_expanded(capsys):
+    code, _, err = plan(capsys, "-m", "hparams_search=branch_threshold_ratio")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: hydra.sweeper: ")
+
+
+MOUNTS = """\
+/dev/vda1 / ext4 rw,relatime 0 0
+tmpfs /tmp tmpfs rw 0 0
+nas:/export/home /home nfs4 rw,vers=4.2 0 0
+auto.net /net autofs rw 0 0
+nas:/scratch /net/scratch nfs rw 0 0
+lustre@o2ib:/fs /lustre lustre rw 0 0
+"""
+
+
+def test_the_mount_and_its_filesystem_type_decide_what_is_shared():
+    assert mount_of(Path("/home/ada/.cache/sage"), MOUNTS) == ("/home", "nfs4")
+    assert mount_of(Path("/tmp/sage"), MOUNTS) == ("/tmp", "tmpfs")
+    assert mount_of(Path("/net/scratch/x"), MOUNTS) == ("/net/scratch", "nfs")
+    assert mount_of(Path("/homework"), MOUNTS) == ("/", "ext4")  # a prefix of the string is not a parent
+    warnings = shared_folder_warnings(
+        {
+            "the cache": Path("/home/ada/.cache/sage"),
+            "the store": Path("/tmp/m"),
+            "the sweep": Path("/lustre/s"),
+        },
+        MOUNTS,
+    )
+    assert warnings == [
+        "warning: the store /tmp/m is on tmpfs (mounted at /tmp) here, not a network filesystem: jobs on "
+        "other nodes will not see it; put it on a shared folder"
+    ]
+
+
+def test_a_slurm_grid_warns_about_sqlite_and_node_local_folders(monkeypatch, tmp_path):
+    from sage.train.memory import cluster_warnings
+
+    monkeypatch.setenv("SAGE_CACHE_DIR", "/tmp/sage-cache")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////home/ada/mlflow.db")
+    slurm = compose_train("hydra/launcher=slurm", "hydra.sweep.dir=/lustre/sweeps/a")
+    warnings = cluster_warnings(slurm, slurm.hydra.launcher, jobs=21, mounts=MOUNTS)
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(
+        "warning: the MLflow store is the SQLite file /home/ada/mlflow.db, and 21 SLURM"
+    )
+    assert warnings[1].startswith(
+        "warning: the cache (sage.paths.cache_dir(): $SAGE_CACHE_DIR, else ~/.cache/sage) /tmp/sage-cache "
+        "is on tmpfs"
+    )
+    # one job on one node writes alone; a job over 2 nodes does not
+    assert len(cluster_warnings(slurm, slurm.hydra.launcher, jobs=1, mounts=MOUNTS)) == 1
+    two_nodes = compose_train("hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.sweep.dir=/lustre/s")
+    assert "a job over 2 nodes" in cluster_warnings(two_nodes, two_nodes.hydra.launcher, 1, MOUNTS)[0]
+    # the local launcher: every job on this machine, nothing to warn about
+    local = compose_train("hydra/launcher=local")
+    assert cluster_warnings(local, local.hydra.launcher, jobs=21, mounts=MOUNTS) == []
 
 
 def test_the_command_line_runs_as_a_module():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,11 +76,54 @@ def strategy_mix(completions: Sequence[Sequence[str]]) -> dict[str, float]:
     return {s: flat.count(s) / len(flat) for s in STRATEGY_NAMES}
 
 
+# Bounds on what one step of the perplexity computation holds, so that a 7B model's 152k-token vocabulary
+# never meets a whole batch at once: 32 sequences x 2,200 tokens x 152,064 float32 logits would be 40 GiB.
+FORWARD_TOKENS = 16384  # padded tokens per forward pass through the decoder (hidden states only)
+LOGIT_TOKENS = 1024  # completion positions whose full-vocabulary logits exist at once (0.6 GiB at 152k)
+
+
+def _token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices into ``lengths`` grouped longest first so that each group's padded size (count x its
+    longest) stays within ``max_tokens``; a sequence longer than that is a group of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _check_logits_from_hidden(model, decoder, head, ids: torch.Tensor) -> None:
+    """The computation below takes a model's logits to be its output embedding applied to the decoder's
+    last hidden state (true of Qwen2, Llama, Mistral); a model that scales or caps them would get wrong
+    perplexities, so a few tokens of the first sequence are compared with the model's own forward."""
+    full = model(input_ids=ids, use_cache=False).logits.float()
+    ours = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    if not torch.allclose(full, ours, rtol=1e-3, atol=1e-3 * float(full.abs().max())):
+        raise ValueError(
+            f"perplexity: {type(model).__name__}'s logits are not its output embedding of the last hidden "
+            "state; set eval.perplexity_cap=0 to skip the analysis"
+        )
+
+
 @torch.no_grad()
 def completion_perplexities(
-    model, tokenizer, prompts: Sequence[str], completions: Sequence[str], batch_size: int = 32
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    max_tokens: int = FORWARD_TOKENS,
+    logit_tokens: int = LOGIT_TOKENS,
 ) -> np.ndarray:
-    """PPL of each completion given its prompt text; NaN for an empty completion."""
+    """PPL of each completion given its prompt text; NaN for an empty completion.
+
+    The decoder runs on batches of at most ``max_tokens`` padded tokens and returns hidden states only; the
+    hidden states at the positions that predict a completion token are gathered and the output embedding
+    is applied to ``logit_tokens`` of them at a time, so no logits of prompt or padding positions exist and
+    the largest logits tensor is ``logit_tokens`` x vocabulary, whatever the batch."""
     out = np.full(len(prompts), np.nan)
     encoded = []
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
@@ -87,9 +131,16 @@ def completion_perplexities(
         c_ids = tokenizer(c, add_special_tokens=False)["input_ids"]
         if c_ids:
             encoded.append((i, p_ids, c_ids))
+    if not encoded:
+        return out
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start : start + batch_size]
+    first = encoded[0][1] + encoded[0][2]
+    probe = first[: min(8, logit_tokens)]  # within the logits budget too
+    _check_logits_from_hidden(model, decoder, head, torch.tensor([probe], device=device))
+    for group in _token_batches([len(p) + len(c) for _, p, c in encoded], max_tokens):
+        chunk = [encoded[g] for g in group]
         width = max(len(p) + len(c) for _, p, c in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, T), right-padded
         attn = torch.zeros_like(ids)
@@ -98,18 +149,27 @@ def completion_perplexities(
             ids[b, : len(p) + len(c)] = torch.tensor(p + c)
             attn[b, : len(p) + len(c)] = 1
             target[b, len(p) : len(p) + len(c)] = True
-        logits = model(input_ids=ids.to(model.device), attention_mask=attn.to(model.device)).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): predicts tokens 1..T-1
-        tok_logp = logp.gather(-1, ids[:, 1:, None].to(model.device)).squeeze(-1).cpu()  # (B, T-1)
-        mask = target[:, 1:]  # (B, T-1)
-        nll = -(tok_logp * mask).sum(-1) / mask.sum(-1)  # (B,)
+        ids, attn, mask = ids.to(device), attn.to(device), target[:, 1:].to(device)  # mask: (B, T-1)
+        hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, T, H)
+        states = hidden[:, :-1][mask]  # (N, H): the positions predicting tokens 1..T-1 that are completion
+        labels = ids[:, 1:][mask]  # (N,)
+        rows = torch.arange(len(chunk), device=device)[:, None].expand_as(mask)[mask]  # (N,) sequence of each
+        nll = torch.zeros(len(chunk), dtype=torch.float64, device=device)  # (B,)
+        for start in range(0, len(labels), logit_tokens):
+            logits = head(states[start : start + logit_tokens]).float()  # (n, V)
+            tok = logits.gather(-1, labels[start : start + logit_tokens, None]).squeeze(-1)  # (n,)
+            logp = tok - torch.logsumexp(logits, dim=-1)  # (n,)
+            nll.index_add_(0, rows[start : start + logit_tokens], -logp.double())
+            del logits
+        nll = (nll / mask.sum(-1)).cpu()  # (B,): mean over each completion's tokens
         for b, (i, _, _) in enumerate(chunk):
             out[i] = float(torch.exp(nll[b]))
     return out
 
 
-def load_base(path: str, dtype: str = "float32"):
-    """(model, tokenizer) of the base model in eval mode, on the GPU if there is one."""
+def load_base(path: str, dtype: str):
+    """(model, tokenizer) of the base model in eval mode, in ``dtype`` (``model.dtype``: the dtype it was
+    trained and evaluated in), on the GPU if there is one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -140,18 +200,43 @@ def perplexities(base, rows: list[dict], result: dict, *, chat: bool, cap: int) 
     return [float(v) for v in ppl if not np.isnan(v)]
 
 
+def logged_perplexities(tracker, label: str) -> set[str]:
+    """Datasets whose perplexity artifact the run already holds: work a rerun (a requeued job, sage-eval
+    again with the same settings) must not redo. The artifact is the run's last record of a dataset's
+    analyses (``sage.tracking.Tracker.log_analyses`` writes it after the metrics, as
+    ``eval/<label>/<label>_<dataset>_perplexity.json``), so its presence means the dataset is complete."""
+    suffix = "_perplexity.json"
+    names = (Path(f.path).name for f in tracker.client.list_artifacts(tracker.run_id, f"eval/{label}"))
+    return {n.removeprefix(f"{label}_").removesuffix(suffix) for n in names if n.endswith(suffix)}
+
+
 def log_analyses(
-    tracker, label: str, rows_by_dataset: dict, results: dict, *, chat: bool, base: str | None, cap: int
+    tracker,
+    label: str,
+    rows_by_dataset: dict,
+    results: dict,
+    *,
+    chat: bool,
+    base: str | None,
+    cap: int,
+    dtype: str,
 ) -> None:
     """The analyses of one evaluated checkpoint, per dataset, logged to the run: pattern and strategy
-    frequencies always, perplexities of at most ``cap`` samples under the ``base`` model folder unless
-    there is none or ``cap`` is 0 (said in one logged line)."""
-    model = None
+    frequencies always (a resumed run logs no point twice), perplexities of at most ``cap`` samples under
+    the ``base`` model folder loaded in ``dtype`` (``model.dtype``) unless there is none or ``cap`` is 0
+    (said in one logged line). Datasets whose perplexities the run already holds are not scored again, and
+    the base model is loaded only if one is left."""
+    todo: list[str] = []
     if base is None or cap == 0:
         why = "eval.perplexity_cap=0" if cap == 0 else "no base model is known for this checkpoint"
         log.info("perplexity under the base model not computed for %s: %s", label, why)
     else:
-        model = load_base(base)
+        done = logged_perplexities(tracker, label)
+        todo = [ds for ds in results if ds not in done]
+        if len(todo) < len(results):
+            kept = sorted(set(results) - set(todo))
+            log.info("perplexity of %s on %s: already in the run, not computed again", label, ", ".join(kept))
+    model = load_base(base, dtype) if todo else None
     for ds, result in results.items():
-        ppl = None if model is None else perplexities(model, rows_by_dataset[ds], result, chat=chat, cap=cap)
+        ppl = perplexities(model, rows_by_dataset[ds], result, chat=chat, cap=cap) if ds in todo else None
         tracker.log_analyses(label, ds, sample_analyses(result), ppl)

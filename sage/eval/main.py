@@ -109,16 +109,18 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             for ds, r in new.items():
                 shown = cfg.tracking.completions_sample
                 tracker.log_eval(label, ds, r, list(cfg.eval.ks), shown, rows=rows[ds])
-            if new:
-                log_analyses(
-                    tracker,
-                    label,
-                    rows,
-                    new,
-                    chat=cfg.model.chat,
-                    base=perplexity_base(cfg, model_path),
-                    cap=cfg.eval.perplexity_cap,
-                )
+            # every dataset: log_analyses scores only those whose perplexities the run lacks (a rerun after
+            # a failed analysis completes it)
+            log_analyses(
+                tracker,
+                label,
+                rows,
+                res,
+                chat=cfg.model.chat,
+                base=perplexity_base(cfg, model_path),
+                cap=cfg.eval.perplexity_cap,
+                dtype=str(cfg.model.dtype.value),
+            )
     summaries = {ds: r["summary"] for ds, r in res.items()}
     print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
     print(f"\nresults: {results_dir / 'results.json'}")

@@ -383,6 +383,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                         chat=cfg.model.chat,
                         base=start_path,
                         cap=cfg.eval.perplexity_cap,
+                        dtype=str(cfg.model.dtype),
                     )
             print("\n" + format_table(table, list(cfg.eval.ks)))
         print(f"\nrun outputs: {out}")

@@ -1,25 +1,48 @@
-"""Does one training micro-batch fit a GPU? An estimate of peak memory from the architecture and TRL's knobs.
+"""A run or a grid before it is submitted: its jobs, each one's GPU memory, and the completions each will
+generate for training and for evaluation.
 
     python -m sage.train.memory model=qwen2.5-math-7b trl=paper rollout=vllm [gpu_gib=80] [prompt_tokens=1024]
+        [processes=8]   # a torchrun launch: --nproc_per_node x --nnodes
+    python -m sage.train.memory -m hparams_search=table1 seed=1,2,3 model=... hydra/launcher=slurm \
+        hydra.launcher.tasks_per_node=8 ...   # the sage-train grid command, as is
 
-prints the batch shape (the same line sage-train prints at start; TRL does not truncate prompts, so the
-longest prompt is a stated assumption, ``prompt_tokens``) and the estimate term by term, and exits
-1 if it does not fit. The architecture is the model's ``config.json``: read from ``model.source`` when that
-is a local folder (or the hub is reachable), else from ``architectures.json`` beside this file, a copy of
-the published config.json values of the paper's models (the line printed says which).
+takes sage-train's overrides (and ``gpu_gib``, ``prompt_tokens``, ``processes``, which are its own) and
+expands a grid as Hydra's basic sweeper does: ``hydra.sweeper.params`` (what ``hparams_search=tableN`` sets)
+plus the command line's sweep overrides (``seed=1,2,3``), the command line winning on a key both name. For
+each job it prints the batch shape (the line sage-train prints at start; TRL does not truncate prompts, so
+the longest prompt is a stated assumption, ``prompt_tokens``), the memory estimate term by term, what vLLM's
+share holds, and the completions: training ``trl.max_steps`` x prompts x generations, evaluation problems x
+``eval.n_samples`` x seeds over the eval datasets for each evaluated model (the start model's cells are shared
+by every job that starts from the same model with the same evaluation settings: counted once in the grid's
+total). It exits 1 if a job does not fit, 2 on a bad argument.
+
+Processes per job: ``hydra.launcher.tasks_per_node`` x ``hydra.launcher.nodes`` under the submitit
+launchers, else ``processes=`` (default 1). The architecture is the model's ``config.json``: read from
+``model.source`` when that is a local folder, else from ``architectures.json`` beside this file, a copy of
+the published config.json values of the paper's models (the line printed says which); a testbed model is
+not estimated.
 
 The estimate is an upper-bound style sum, not a measurement (no GPU is lent to this project): what is
-resident (weights, trainable state, the reference, vLLM's share under colocation) plus the working set of
-one micro-batch (checkpointed layer inputs, one layer's activations when it is recomputed, the logits of
-the completion tokens with their gradient). Each term is named so a user can check it against
-``torch.cuda.max_memory_allocated`` on a real run.
+resident (weights, trainable state, the reference, DDP's gradient buckets, vLLM's share under colocation)
+plus the working set of one micro-batch (checkpointed layer inputs, one layer's activations when it is
+recomputed, the logits of the completion tokens with their gradient). Each term is named so a user can
+check it against ``torch.cuda.max_memory_allocated`` on a real run.
+
+Warnings (the job still runs, but a cluster makes it fail or corrupt records):
+- a SQLite MLflow store written from several nodes (a grid of more than one SLURM job, or a job over
+  ``hydra.launcher.nodes`` > 1): SQLite's file locks are not reliable on network filesystems; use a server.
+- under ``hydra/launcher=slurm``, a folder every job must see (the cache, ``sage.paths.cache_dir()``; the
+  SQLite store; the sweep dir) that is not on a network filesystem. The rule is the filesystem type of the
+  folder's mount in this machine's ``/proc/mounts`` (nfs, lustre, gpfs, beegfs, ceph, ...: shared; a local
+  disk or tmpfs, such as /tmp, or a $HOME on a local disk: not shared), since a path alone cannot say.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 1024**3
@@ -27,6 +50,36 @@ ARCH_FILE = Path(__file__).with_name("architectures.json")
 # bytes of optimiser state per trainable parameter (two moments)
 OPTIMISER_BYTES = {"adamw_8bit": 2, "paged_adamw_8bit": 2, "adamw_bnb_8bit": 2}
 DEFAULT_OPTIMISER_BYTES = 8
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Filesystem types (/proc/mounts) every node of a cluster sees the same way; anything else is node-local.
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "fhgfs",
+        "ceph",
+        "cephfs",
+        "fuse.ceph",
+        "fuse.cephfs",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "panfs",
+        "wekafs",
+        "afs",
+        "pvfs2",
+        "orangefs",
+        "fuse.juicefs",
+        "fuse.gcsfuse",
+        "fuse.s3fs",
+    }
+)
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
 @dataclass(frozen=True)
@@ -72,6 +125,10 @@ class Architecture:
             raise ValueError(f"model.lora.target_modules: {unknown} are not projections of this architecture")
         return self.num_hidden_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Keys and values of one token over every layer: vLLM's KV cache holds this per token."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -83,10 +140,16 @@ class Batch:
     num_generations: int
     prompt_tokens: int
     completion_tokens: int
+    steps_per_generation: int = 0  # 0: the accumulation (TRL's default)
 
     @property
     def per_step(self) -> int:
         return self.micro * self.accumulation * self.processes
+
+    @property
+    def generated_at_once(self) -> int:
+        """Completions one process generates per generation round (TRL sizes vLLM's max_num_seqs so)."""
+        return self.micro * (self.steps_per_generation or self.accumulation)
 
     def describe(self) -> str:
         longest = self.prompt_tokens + self.completion_tokens
@@ -110,33 +173,43 @@ def estimate(
     gradient_checkpointing: bool,
     vllm_fraction: float,
     gpu_gib: float,
+    dtype: str,
 ) -> dict[str, float]:
     """Peak memory of one process in GiB, term by term; ``total`` is their sum.
 
-    Weights: bf16 (2 bytes) under LoRA (frozen); float32 master weights (4 bytes) for full fine-tuning,
-    which bf16 autocast trains. Trainable state: float32 weight copy (LoRA only), float32 gradient and
-    the optimiser's moments. Reference: none under LoRA (the adapter is disabled), a bf16 copy for full
-    fine-tuning with beta > 0. Activations (bf16): each layer's input when checkpointed, or every layer's
-    working set otherwise, plus one layer's working set (q, k, v, attention output, the MLP's three wide
-    tensors, and as much again for their gradients). Logits: bf16 logits of the completion tokens and their
-    gradient, and one row's float32 log-softmax (TRL computes log-probs row by row)."""
+    ``dtype`` is the one TRL loads the policy in (``trl.model_init_kwargs.dtype``: ``model.dtype`` under LoRA,
+    float32 master weights for full fine-tuning of a half-precision model, see ``sage.models.policy_dtype``).
+    Weights: the policy at ``dtype``. Trainable state: under LoRA a float32 adapter (peft keeps it so), its
+    float32 gradient and the optimiser's moments; for full fine-tuning a gradient at ``dtype`` and the
+    moments.
+    Reference: none under LoRA or with beta 0 (TRL then builds none: the adapter disabled is the reference);
+    for full fine-tuning TRL builds it with the same ``model_init_kwargs``, so at ``dtype``. DDP's gradient
+    buckets (more than one process): one more copy of the trainable gradients (transformers' DDP keeps
+    ``gradient_as_bucket_view`` off). Activations (bf16): each layer's input when checkpointed, or every
+    layer's working set otherwise, plus one layer's working set (q, k, v, attention output, the MLP's three
+    wide tensors, and as much again for their gradients). Logits: bf16 logits of the completion tokens and
+    their gradient, and one row's float32 log-softmax (TRL computes log-probs row by row)."""
     params = arch.parameters()
     b, s, c = batch.micro, batch.prompt_tokens + batch.completion_tokens, batch.completion_tokens
     h, i, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     opt = OPTIMISER_BYTES.get(optim, DEFAULT_OPTIMISER_BYTES)
+    w = DTYPE_BYTES[dtype]
     if lora is not None:
-        trainable = arch.lora_parameters(*lora)
-        weights, state, reference = 2 * params, trainable * (4 + 4 + opt), 0
+        trainable, grad_bytes = arch.lora_parameters(*lora), 4
+        state, reference = trainable * (4 + grad_bytes + opt), 0
     else:
-        weights, state, reference = 4 * params, params * (4 + opt), (2 * params if beta else 0)
+        trainable, grad_bytes = params, w
+        state, reference = params * (grad_bytes + opt), (w * params if beta else 0)
+    buckets = trainable * grad_bytes if batch.processes > 1 else 0
     layer = b * s * (4 * h + 2 * arch.kv_size + 3 * i) * 2 * 2
     layers = arch.num_hidden_layers
     kept = b * s * h * 2 * layers if gradient_checkpointing else layer * layers
     logits = b * c * v * 2 * 2 + c * v * 4
     parts = {
-        "weights": weights / GIB,
+        "weights": w * params / GIB,
         "trainable_state": state / GIB,
         "reference": reference / GIB,
+        "ddp_buckets": buckets / GIB,
         "activations": (kept + layer) / GIB,
         "logits": logits / GIB,
         "vllm": vllm_fraction * gpu_gib,
@@ -150,6 +223,43 @@ def describe_estimate(parts: dict[str, float]) -> str:
     terms = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k not in ("total", "gpu"))
     verdict = "fits" if parts["total"] <= parts["gpu"] else "DOES NOT FIT"
     return f"memory estimate per GPU: {parts['total']:.1f} GiB of {parts['gpu']:.1f} GiB, {verdict} ({terms})"
+
+
+def vllm_room(arch: Architecture, batch: Batch, share_gib: float, dtype: str) -> dict[str, float]:
+    """What a colocated vLLM engine's share holds: its weights at ``dtype`` (vLLM's "auto": the checkpoint's
+    dtype) and, in the rest, KV cache for ``sequences`` of the longest length at once. vLLM's own working
+    memory (its profiling run's activations, CUDA graphs) also comes out of the share and is not counted."""
+    weights = arch.parameters() * DTYPE_BYTES[dtype] / GIB
+    kv = max(share_gib - weights, 0.0)
+    tokens = int(kv * GIB // arch.kv_bytes_per_token(DTYPE_BYTES[dtype]))
+    return {
+        "share": share_gib,
+        "weights": weights,
+        "kv": kv,
+        "tokens": tokens,
+        "sequences": tokens // (batch.prompt_tokens + batch.completion_tokens),
+        "generated_at_once": batch.generated_at_once,
+    }
+
+
+def describe_vllm(room: dict[str, float], fraction: float) -> str:
+    if room["kv"] <= 0:
+        return (
+            f"vllm: trl.vllm_gpu_memory_utilization={fraction} gives {room['share']:.1f} GiB, which cannot "
+            f"hold its {room['weights']:.1f} GiB of weights: DOES NOT FIT"
+        )
+    return (
+        f"vllm: trl.vllm_gpu_memory_utilization={fraction} gives {room['share']:.1f} GiB = weights "
+        f"{room['weights']:.1f} + KV cache {room['kv']:.1f} ({room['tokens']:,} tokens: {room['sequences']} "
+        f"sequences of the longest length at once, for the {room['generated_at_once']} each process "
+        "generates per round; fewer at once is slower, not an error)"
+    )
+
+
+def largest_vllm_fraction(parts: dict[str, float]) -> float:
+    """The largest vLLM share (a multiple of 0.05 of the GPU) that fits beside everything else; 0 if none."""
+    room = parts["gpu"] - (parts["total"] - parts["vllm"])
+    return max(int(room / parts["gpu"] * 20) / 20, 0.0)
 
 
 def architecture(source: dict) -> tuple[Architecture, str]:
@@ -167,17 +277,42 @@ def architecture(source: dict) -> tuple[Architecture, str]:
     return Architecture.from_config(stored["models"][repo]), f"stored copy of {repo}'s config.json"
 
 
-def plan(cfg, gpu_gib: float, prompt_tokens: int) -> tuple[Batch, dict[str, float], str]:
-    """Batch shape and memory estimate of a composed sage-train config (one process per GPU)."""
+def training_dtype(cfg) -> str:
+    """The dtype TRL loads the policy (and a full fine-tuning reference) in: sage-train's
+    ``model_init_kwargs`` (``sage.train.main.grpo_args``), where ``trl.model_init_kwargs`` wins."""
+    from sage.models import policy_dtype
+
+    dtype = policy_dtype(str(cfg.model.dtype), lora=cfg.model.lora is not None)
+    return str({"dtype": dtype, **(cfg.trl.model_init_kwargs or {})}["dtype"])
+
+
+def batch_of(cfg, prompt_tokens: int, processes: int) -> Batch:
     t = cfg.trl
-    batch = Batch(
+    if t.steps_per_generation is not None:
+        steps_per_generation = t.steps_per_generation
+    elif t.generation_batch_size is not None:
+        steps_per_generation = t.generation_batch_size // (t.per_device_train_batch_size * processes)
+    else:
+        steps_per_generation = t.gradient_accumulation_steps
+    return Batch(
         micro=t.per_device_train_batch_size,
         accumulation=t.gradient_accumulation_steps,
-        processes=1,
+        processes=processes,
         num_generations=t.num_generations,
         prompt_tokens=prompt_tokens,
         completion_tokens=cfg.model.max_completion_length,
+        steps_per_generation=steps_per_generation,
     )
+
+
+def colocated_fraction(cfg) -> float:
+    t = cfg.trl
+    return float(t.vllm_gpu_memory_utilization) if t.use_vllm and t.vllm_mode == "colocate" else 0.0
+
+
+def plan(cfg, gpu_gib: float, prompt_tokens: int, processes: int = 1) -> tuple[Batch, dict[str, float], str]:
+    """Batch shape and memory estimate of a composed sage-train config (one process per GPU)."""
+    batch = batch_of(cfg, prompt_tokens, processes)
     arch, origin = architecture(cfg.model.source)
     lora = None if cfg.model.lora is None else (cfg.model.lora.r, list(cfg.model.lora.target_modules))
     parts = estimate(
@@ -185,12 +320,288 @@ def plan(cfg, gpu_gib: float, prompt_tokens: int) -> tuple[Batch, dict[str, floa
         batch,
         lora=lora,
         beta=cfg.divergence.beta,
-        optim=str(t.optim),
-        gradient_checkpointing=bool(t.gradient_checkpointing),
-        vllm_fraction=t.vllm_gpu_memory_utilization if t.use_vllm and t.vllm_mode == "colocate" else 0.0,
+        optim=str(cfg.trl.optim),
+        gradient_checkpointing=bool(cfg.trl.gradient_checkpointing),
+        vllm_fraction=colocated_fraction(cfg),
         gpu_gib=gpu_gib,
+        dtype=training_dtype(cfg),
     )
     return batch, parts, origin
+
+
+# ---- completions -------------------------------------------------------------------------------------
+
+
+def training_completions(cfg, batch: Batch) -> tuple[int | None, str]:
+    """(completions, how) RL generates: trl.max_steps x prompts per step x generations."""
+    steps = cfg.trl.max_steps
+    if steps < 0:
+        return None, "trl.max_steps < 0 (a length in epochs): not counted"
+    prompts = batch.per_step // batch.num_generations
+    return steps * batch.per_step, f"{steps} steps x {prompts} prompts x {batch.num_generations} generations"
+
+
+@dataclass
+class Problems:
+    """Problems per eval dataset of one eval config, or why they are unknown."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_problems(eval_cfg, cache: dict[str, Problems]) -> Problems:
+    """The eval datasets' rows as sage-train loads them (``eval.limit`` applied); a dataset that cannot be
+    read here (a hub-only set offline, a missing file) leaves the count unknown, with the reason."""
+    from omegaconf import OmegaConf
+
+    from sage.config import ConfigError
+    from sage.eval.evaluate import load_eval_rows
+
+    datasets = OmegaConf.to_container(eval_cfg.datasets, resolve=True)
+    key = json.dumps([datasets, eval_cfg.limit], sort_keys=True)
+    if key not in cache:
+        try:
+            rows = load_eval_rows(eval_cfg.datasets, eval_cfg.limit)
+            cache[key] = Problems({name: len(r) for name, r in rows.items()})
+        except (ConfigError, OSError, ValueError) as e:
+            cache[key] = Problems(error=str(e).strip().splitlines()[0])
+    return cache[key]
+
+
+@dataclass
+class Evaluation:
+    per_model: int | None  # completions of one evaluated model (problems x n_samples x seeds)
+    trained: int | None  # the trained model's, 0 for a base row (trl.max_steps=0) or eval.at_end=false
+    base: int | None  # the start model's (shared between jobs with the same start model and settings)
+    periodic: int | None  # eval.every_steps during training
+    how: str
+
+
+def evaluation_completions(cfg, problems: Problems) -> Evaluation:
+    e, steps = cfg.eval, cfg.trl.max_steps
+    if problems.error is not None:
+        return Evaluation(None, None, None, None, f"problems unknown ({problems.error})")
+    n = problems.total
+    per_model = n * e.n_samples * len(e.seeds)
+    sets = ", ".join(f"{name} {c}" for name, c in problems.counts.items())
+    how = f"{per_model:,} per model ({n} problems [{sets}] x {e.n_samples} samples x {len(e.seeds)} seeds)"
+    base = per_model if e.at_end else 0
+    trained = per_model if e.at_end and steps != 0 else 0
+    models = [m for m, c in (("base", base), ("trained", trained)) if c]
+    how += f" x {len(models)} model{'s' * (len(models) != 1)} ({', '.join(models) or 'eval.at_end=false'})"
+    periodic = 0
+    if e.every_steps and steps > 0:
+        rounds = steps // e.every_steps
+        periodic = rounds * n * e.every_n_samples
+        how += f"; periodic {periodic:,} ({rounds} rounds x {n} problems x {e.every_n_samples} samples)"
+    return Evaluation(per_model, trained, base, periodic, how)
+
+
+# ---- warnings ----------------------------------------------------------------------------------------
+
+
+def mount_of(path: Path, mounts: str) -> tuple[str, str]:
+    """(mount point, filesystem type) holding ``path``, from a /proc/mounts text: the longest mount point
+    that is a prefix of the path (the last such line: a later mount hides an earlier one, as autofs's)."""
+    best = ("/", "unknown")
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == Path(point) or Path(point) in path.parents
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[2])
+    return best
+
+
+def shared_folder_warnings(folders: dict[str, Path], mounts: str) -> list[str]:
+    """A warning for each folder every SLURM job must see that is on a node-local filesystem."""
+    out = []
+    for what, folder in folders.items():
+        path = Path(os.path.abspath(folder))
+        point, fstype = mount_of(path, mounts)
+        if fstype not in NETWORK_FILESYSTEMS:
+            out.append(
+                f"warning: {what} {path} is on {fstype} (mounted at {point}) here, not a network filesystem: "
+                "jobs on other nodes will not see it; put it on a shared folder"
+            )
+    return out
+
+
+def store_uri(cfg) -> str:
+    """The MLflow store sage-train will write (``sage.tracking.resolve_uri``), without creating it."""
+    from sage.tracking import default_uri
+
+    configured = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    return configured or default_uri()
+
+
+def cluster_warnings(cfg, launcher, jobs: int, mounts: str) -> list[str]:
+    """What breaks on a cluster: a SQLite store written from several nodes, and, under the SLURM launcher,
+    the cache, the SQLite file or the sweep dir on a node-local filesystem."""
+    from sage.paths import cache_dir
+
+    slurm = str(launcher._target_).endswith("SlurmLauncher")
+    nodes = int(launcher.get("nodes", 1) or 1)
+    uri = store_uri(cfg)
+    sqlite = uri.startswith("sqlite:///")
+    out = []
+    if sqlite and slurm and (nodes > 1 or jobs > 1):
+        who = f"a job over {nodes} nodes" if nodes > 1 else f"{jobs} SLURM jobs, on any nodes,"
+        out.append(
+            f"warning: the MLflow store is the SQLite file {uri.removeprefix('sqlite:///')}, and {who} write "
+            "it: SQLite's locks are not reliable on a network filesystem; run a tracking server "
+            "(scripts/mlflow_server.sh, or PostgreSQL: scripts/postgres.sh) and set tracking.uri "
+            "or $MLFLOW_TRACKING_URI"
+        )
+    if slurm:
+        folders = {"the cache (sage.paths.cache_dir(): $SAGE_CACHE_DIR, else ~/.cache/sage)": cache_dir()}
+        if sqlite:
+            folders["the MLflow SQLite store (tracking.uri / $MLFLOW_TRACKING_URI)"] = Path(
+                uri.removeprefix("sqlite:///")
+            ).parent
+        folders["the sweep dir (hydra.sweep.dir)"] = Path(str(cfg.hydra.sweep.dir))
+        out += shared_folder_warnings(folders, mounts)
+    return out
+
+
+# ---- the grid ----------------------------------------------------------------------------------------
+
+
+def split_arguments(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(this module's own ``key=value`` arguments, sage-train's overrides); ``-m`` / ``--multirun`` are
+    accepted so that a sage-train grid command can be pasted as is."""
+    own, rest = {}, []
+    for a in args:
+        key = a.split("=", 1)[0]
+        if key in ("gpu_gib", "prompt_tokens", "processes"):
+            own[key] = a.split("=", 1)[1]
+        elif a not in ("-m", "--multirun"):
+            rest.append(a)
+    return own, rest
+
+
+def expand_grid(compose, overrides: list[str]) -> tuple[list[list[str]], list[str], object]:
+    """(each job's task overrides, the Hydra overrides, the sweep's config) as Hydra's basic sweeper makes
+    them: ``hydra.sweeper.params`` first, then the command line's task overrides (which win on a key)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    hydra_args = [o.input_line for o in parsed if o.is_hydra_override()]
+    task = [o for o in parsed if not o.is_hydra_override()]
+    # the sweep's own config, as Hydra composes it in multirun: without the sweep overrides
+    sweep_cfg = compose(hydra_args + [o.input_line for o in task if not o.is_sweep_override()])
+    sweeper = sweep_cfg.hydra.sweeper
+    if sweeper._target_ != BASIC_SWEEPER:
+        raise ValueError(
+            f"hydra.sweeper: {sweeper._target_} chooses its trials as it runs; the plan expands grids of "
+            "Hydra's basic sweeper (plan one trial by fixing its parameters on the command line)"
+        )
+    params = [f"{k}={v}" for k, v in (sweeper.params or {}).items()]
+    every = parser.parse_overrides(params) + task
+    jobs = BasicSweeper.split_arguments(every, None)[0]
+    return jobs, hydra_args, sweep_cfg
+
+
+def processes_per_job(launcher, given: int | None) -> int:
+    """tasks_per_node x nodes of a submitit launcher, else ``processes=`` (a torchrun launch), else 1."""
+    if "tasks_per_node" in launcher:
+        n = int(launcher.tasks_per_node) * int(launcher.nodes)
+        if given is not None and given != n:
+            raise ValueError(
+                f"processes={given}: the launcher runs hydra.launcher.tasks_per_node x nodes = {n} "
+                "processes per job"
+            )
+        return n
+    return 1 if given is None else given
+
+
+@dataclass
+class JobPlan:
+    label: str
+    lines: list[str]
+    fits: bool
+    total_gib: float | None
+    training: int | None
+    evaluation: Evaluation
+    base_key: str
+
+
+def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int, problems) -> JobPlan:
+    from omegaconf import OmegaConf
+
+    batch = batch_of(cfg, prompt_tokens, processes)
+    lines, fits, total = [], True, None
+    if "repo_id" in cfg.model.source:
+        _, parts, origin = plan(cfg, gpu_gib, prompt_tokens, processes)
+        arch, _ = architecture(cfg.model.source)
+        lines += [f"architecture: {origin}", batch.describe(), describe_estimate(parts)]
+        fits, total = parts["total"] <= parts["gpu"], parts["total"]
+        fraction = colocated_fraction(cfg)
+        if fraction:
+            room = vllm_room(arch, batch, parts["vllm"], str(cfg.model.dtype))
+            lines.append(describe_vllm(room, fraction))
+            fits = fits and room["kv"] > 0
+            best = largest_vllm_fraction(parts)
+            smaller = vllm_room(arch, batch, best * gpu_gib, str(cfg.model.dtype))
+            if not fits and smaller["kv"] > 0:
+                lines.append(
+                    f"fix: trl.vllm_gpu_memory_utilization={best:.2f} is the largest share that fits beside "
+                    f"the rest; vLLM then holds {smaller['sequences']} sequences of the longest length at "
+                    "once"
+                )
+    else:
+        lines += [
+            f"memory: not estimated (model.source is {cfg.model.source._target_}, not a hub or local model "
+            "with a config.json)",
+            batch.describe(),
+        ]
+    training, how = training_completions(cfg, batch)
+    evaluation = evaluation_completions(cfg, problems)
+    shown = "unknown" if training is None else f"{training:,}"
+    lines.append(f"completions: training {shown} ({how}); evaluation {evaluation.how}")
+    base_key = json.dumps(
+        [OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.eval, resolve=True)],
+        sort_keys=True,
+        default=str,
+    )
+    return JobPlan(label, lines, fits, total, training, evaluation, base_key)
+
+
+def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[str]:
+    estimated = [j for j in jobs if j.total_gib is not None]
+    lines = [f"grid: {len(jobs)} jobs x {processes} processes (one GPU each)"]
+    if estimated:
+        worst = max(estimated, key=lambda j: j.total_gib)
+        failing = [j.label for j in jobs if not j.fits]
+        verdict = f"every job fits {gpu_gib:.0f} GiB"
+        if failing:
+            verdict = f"{len(failing)} DO NOT FIT: {'; '.join(failing)}"
+        lines.append(f"memory: largest estimate {worst.total_gib:.1f} GiB per GPU ({worst.label}); {verdict}")
+    training = [j.training for j in jobs]
+    shown = "unknown" if None in training else f"{sum(training):,}"
+    lines.append(f"completions: training {shown}")
+    evals = [j.evaluation for j in jobs]
+    if any(e.per_model is None for e in evals):
+        lines.append("completions: evaluation unknown (a job's problems could not be counted)")
+    else:
+        bases = {j.base_key: j.evaluation.base for j in jobs}
+        trained = sum(e.trained for e in evals)
+        periodic = sum(e.periodic for e in evals)
+        start = sum(bases.values())
+        lines.append(
+            f"completions: evaluation {start + trained + periodic:,} (trained models {trained:,}, start "
+            f"models {start:,}: {len(bases)} distinct start model and evaluation settings, each evaluated "
+            f"once; periodic {periodic:,})"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,27 +610,47 @@ def main(argv: list[str] | None = None) -> int:
     from sage.config import register_configs
     from sage.paths import CONF_DIR
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    gpu_gib = 80.0
-    for a in [a for a in args if a.startswith("gpu_gib=")]:
-        gpu_gib = float(a.split("=", 1)[1])
-        args.remove(a)
-    prompt_tokens = 1024
-    for a in [a for a in args if a.startswith("prompt_tokens=")]:
-        prompt_tokens = int(a.split("=", 1)[1])
-        args.remove(a)
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=args)
+    own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv))
     try:
-        batch, parts, origin = plan(cfg, gpu_gib, prompt_tokens)
+        gpu_gib = float(own.get("gpu_gib", 80))
+        prompt_tokens = int(own.get("prompt_tokens", 1024))
+        given = int(own["processes"]) if "processes" in own else None
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: gpu_gib, prompt_tokens and processes take numbers ({e})", file=sys.stderr)
         return 2
-    print(f"architecture: {origin}")
-    print(batch.describe())
-    print(describe_estimate(parts))
-    return 0 if parts["total"] <= parts["gpu"] else 1
+    register_configs()
+    mounts = Path("/proc/mounts").read_text() if Path("/proc/mounts").is_file() else ""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+
+        def compose_train(args: list[str]):
+            return compose(config_name="train", overrides=args, return_hydra_config=True)
+
+        try:
+            jobs, hydra_args, sweep_cfg = expand_grid(compose_train, overrides)
+            processes = processes_per_job(sweep_cfg.hydra.launcher, given)
+            varying = sorted(
+                {o.split("=", 1)[0] for job in jobs for o in job if any(o not in other for other in jobs)}
+            )
+            problems: dict = {}
+            plans = []
+            for number, job in enumerate(jobs):
+                cfg = compose_train(hydra_args + job)
+                shown = " ".join(o for o in job if o.split("=", 1)[0] in varying)
+                label = f"job {number}" + (f" [{shown}]" if shown else "")
+                problems_of = count_problems(cfg.eval, problems)
+                plans.append(plan_job(cfg, label, gpu_gib, prompt_tokens, processes, problems_of))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if len(plans) == 1:
+        print("\n".join(plans[0].lines))
+    else:
+        for p in plans:
+            print(p.label + ":\n" + "\n".join(f"  {line}" for line in p.lines))
+        print("\n".join(grid_summary(plans, processes, gpu_gib)))
+    for line in cluster_warnings(sweep_cfg, sweep_cfg.hydra.launcher, len(plans), mounts):
+        print(line)
+    return 0 if all(p.fits for p in plans) else 1
 
 
 if __name__ == "__main__":
