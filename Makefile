@@ -27,8 +27,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed  ## create .venv and install sage (editable) with the dev tools
 
-services-install:  ## apt packages for the integration tests (SLURM, munge, slurmdbd, MariaDB)
+services-install:  ## apt packages for the integration tests (SLURM, munge, slurmdbd, MariaDB; chromium for the MLflow UI)
 	scripts/slurm_cluster.sh install
+	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -qq -y \
+	  --no-install-recommends install chromium >/dev/null
 
 run: install  ## the embedded default end to end: build/reuse the tiny base model, GRPO, evaluate (ARGS=overrides)
 	$(VENV)/bin/sage-train $(ARGS)

@@ -608,6 +608,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--min-seeds", type=int, default=5, help="warn when a Table 1 method has fewer training seeds"
     )
     p.add_argument(
+        "--log-to-mlflow",
+        action="store_true",
+        help="also log the report (markdown, figures, tables) as artifacts of a parent run for these "
+        "experiment(s), filter and run ids: made on the first call, reused by the next ones",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="only check that the store holds runs of the experiment(s) and filter; writes nothing "
@@ -665,6 +671,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in rep.warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"report: {args.out} ({len(rep.tables)} tables, {len(rep.figures)} figures)")
+    if args.log_to_mlflow:
+        from sage.grid import log_report_files, report_parent
+
+        key = f"experiment={args.experiment} filter={args.filter} run_ids={args.run_ids}"
+        run_id = report_parent(client, args.experiment, key)
+        figures = args.figures_dir or args.out.parent / "figures"
+        log_report_files(client, run_id, args.out, figures, args.tables_dir or args.out.parent / "tables")
+        client.set_terminated(run_id, status="FINISHED")
+        print(f"logged into MLflow run {run_id} (artifacts under report/)")
     return 0
 
 

@@ -149,3 +149,75 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
     assert len(frame) == 4
     shown = json.loads((folder / "trained" / "trained_ds_completions_step3.json").read_text())
     assert len(shown["data"]) == 2  # n_problems=1: the first problem's two samples
+
+
+def log_grid(uri: str, root: Path, experiment: str) -> str:
+    """A grid as sage's launcher logs it, without the training: a parent run, then two methods x two seeds
+    whose runs log base and trained evaluations (two evaluation seeds, 6 problems x 4 samples) through
+    sage's own start_run and log_eval; the parent is closed with the grid's report. Returns its id."""
+    import numpy as np
+
+    from sage.metrics import pass_at_k_over_seeds
+
+    where = [f"tracking.uri={uri}", f"tracking.experiment={experiment}"]
+    parent = open_parent(cfg_for(*where).tracking, root / "sweep", name="grid-sweep")
+    rng = np.random.default_rng(0)
+    rows = [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(6)]
+    for method in ("grpo", "grpo_branch"):
+        for seed in (0, 1):
+            cfg = cfg_for(
+                f"experiment={method}",
+                f"seed={seed}",
+                *where,
+                f"tracking.parent_run_id={parent}",
+                "tracking.name_keys=[experiment,seed]",
+                "eval.ks=[1,4]",
+            )
+            out = root / f"{method}-{seed}"
+            out.mkdir(parents=True)
+            with start_run(cfg, out, kind="train") as tracker:
+                tracker.set_tag("base_model", "base")
+                for label, p, step in (("base", 0.3, 0), ("trained", 0.5 + 0.1 * (method != "grpo"), 2)):
+                    correct = [rng.random((6, 4)) < p for _ in range(2)]
+                    result = {
+                        "summary": pass_at_k_over_seeds(correct, [1, 4]),
+                        "correct": correct,
+                        "completions": [[["<SOLUTION>1</SOLUTION>"] * 4] * 6] * 2,
+                    }
+                    tracker.log_eval(label, "arith_heldout", result, [1, 4], 2, step=step, rows=rows)
+    close_parent(cfg_for(*where).tracking, parent, ok=True)
+    return parent
+
+
+def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent_id = log_grid(uri, tmp_path, "grid")
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("grid").experiment_id
+    (parent,) = client.search_runs([exp], "tags.`sage.kind` = 'grid'")
+    assert parent.info.run_id == parent_id
+    assert parent.info.status == "FINISHED" and parent.data.tags["sage.report"] == "report/report.md"
+    children = client.search_runs([exp], f"tags.`{PARENT_TAG}` = '{parent_id}'")
+    names = sorted(c.info.run_name for c in children)
+    assert names == ["grpo-s0", "grpo-s1", "grpo_branch-s0", "grpo_branch-s1"]
+    report = {f.path for f in client.list_artifacts(parent_id, "report")}
+    assert {"report/report.md", "report/figures", "report/tables"} <= report
+    figures = [f.path for f in client.list_artifacts(parent_id, "report/figures")]
+    tables = [f.path for f in client.list_artifacts(parent_id, "report/tables")]
+    assert any(p.endswith(".png") for p in figures) and any(p.endswith(".csv") for p in tables)
+    for child in children:
+        files = {f.path for f in client.list_artifacts(child.info.run_id, "eval")}
+        assert {"eval/passk_arith_heldout.png", "eval/passk_arith_heldout.csv"} <= files
+    # sage-report --log-to-mlflow afterwards: one parent for the experiment, reused by a second call
+    script = Path(sys.executable).parent / "sage-report"
+    for _ in range(2):
+        argv = [str(script), "--tracking-uri", uri, "--experiment", "grid", "--log-to-mlflow"]
+        done = subprocess.run(
+            [*argv, "--out", str(tmp_path / "r" / "report.md")], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    (logged,) = client.search_runs([exp], "tags.`sage.report_of` LIKE '%'")
+    assert "report/report.md" in {f.path for f in client.list_artifacts(logged.info.run_id, "report")}
