@@ -221,3 +221,33 @@ def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     (logged,) = client.search_runs([exp], "tags.`sage.report_of` LIKE '%'")
     assert "report/report.md" in {f.path for f in client.list_artifacts(logged.info.run_id, "report")}
+
+
+def test_an_optuna_trial_is_named_by_its_values_and_nested_under_the_study():
+    import optuna
+
+    from sweeps.optuna import SageOptunaSweeper
+
+    s = SageOptunaSweeper(
+        study_name="s",
+        storage="sqlite:///x.db",
+        n_trials=2,
+        n_jobs=1,
+        objectives=["a"],
+        weights=None,
+        directions=["maximize"],
+        params={},
+        choices_as="points",
+        max_retries=0,
+        max_failures=1,
+        sampler=optuna.samplers.RandomSampler(),
+        pruner=optuna.pruners.NopPruner(),
+        prune_on=None,
+    )
+    s.space_keys, s.parent_id = ["guide.ratio"], "study-parent"  # what sweep() sets before any trial
+    overrides = s.trial_overrides(["experiment=grpo_branch"], {"guide.ratio": 0.3}, 1)
+    assert "tracking.parent_run_id=study-parent" in overrides
+    # the launcher adds neither name keys nor a parent of its own to a trial that has them
+    assert with_grid(overrides, ["experiment"], "grid-parent") == overrides
+    kept = [o for o in overrides if not o.startswith("hydra.")]  # hydra.sweep.subdir: not a job config key
+    assert run_name(cfg_for(*kept)) == "grpo_branch-ratio0.3-t1-s0"
