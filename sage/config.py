@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -372,6 +375,15 @@ def validate(cfg: DictConfig) -> None:
     t = cfg.trl
     if t.num_generations < 2:
         raise ConfigError(f"trl.num_generations must be >= 2 for group advantages (got {t.num_generations})")
+    if t.max_steps < 0:  # transformers' -1 trains by epochs; sage-train's length is in optimiser steps
+        raise ConfigError(
+            f"trl.max_steps must be >= 0 (got {t.max_steps}): the run's length in optimiser steps "
+            "(0: evaluate the start model only); training by epochs (-1) is not supported"
+        )
+    check_seed("seed", cfg.seed)
+    check_seed("trl.data_seed", t.get("data_seed"))
+    if cfg.model.get("sft") is not None:
+        check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
     resume_mode(cfg.resume)
     check_callbacks(cfg)
@@ -455,6 +467,7 @@ def check_eval(eval_cfg: DictConfig) -> None:
             raise ConfigError(f"eval.{key} must be >= {least} (got {value})")
     if eval_cfg.get("perplexity_cap", 0) < 0:
         raise ConfigError(f"eval.perplexity_cap must be >= 0 (0: off; got {eval_cfg.perplexity_cap})")
+    check_sampling(eval_cfg)
     if eval_cfg.ks is None:
         eval_cfg.ks = default_ks(eval_cfg.n_samples)
     for k in eval_cfg.ks:
@@ -464,25 +477,179 @@ def check_eval(eval_cfg: DictConfig) -> None:
             )
 
 
-def exit_on_config_error(fn: Any, cfg: DictConfig) -> Any:
-    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2, and Ctrl-C
-    one line and exit code 130 (the shell's for SIGINT), after the MLflow run was closed KILLED."""
-    import sys
+SEED_LIMIT = 2**32
+"""Seeds reach numpy's global RNG (transformers' set_seed), which takes 0 <= seed < 2**32 only."""
 
+
+def check_seed(key: str, value: int | None) -> None:
+    if value is not None and not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{key} must be in [0, 2**32) (got {value})")
+
+
+def check_sampling(eval_cfg: DictConfig) -> None:
+    """The evaluation's sampling values: each one the samplers would silently misuse (a negative
+    temperature, a nucleus of nothing, a repeated seed that repeats its samples) or crash on."""
+    t, p = eval_cfg.temperature, eval_cfg.top_p
+    if not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"eval.temperature must be a finite number > 0 (got {t})")
+    if not 0 < p <= 1:  # NaN fails too
+        raise ConfigError(f"eval.top_p must be in (0, 1] (got {p})")
+    if eval_cfg.max_new_tokens is not None and eval_cfg.max_new_tokens < 1:
+        raise ConfigError(
+            f"eval.max_new_tokens must be >= 1, or null for model.max_completion_length "
+            f"(got {eval_cfg.max_new_tokens})"
+        )
+    seeds = list(eval_cfg.seeds)
+    if len(set(seeds)) < len(seeds):
+        raise ConfigError(
+            f"eval.seeds must be distinct (got {seeds}): a repeated seed draws the same samples again"
+        )
+    for seed in seeds:
+        check_seed("eval.seeds", seed)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM and ``kill`` send before a kill) raised in the main thread. A KeyboardInterrupt,
+    so that everything that closes on Ctrl-C closes on it the same way: the MLflow run as KILLED, the
+    grading pool, finished checkpoints and cells kept."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the closing short
+    raise Terminated
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How a full disk reads where no OSError carries its errno: safetensors (Rust), SQLite (an MLflow store).
+NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "database or disk is full")
+# torch.save's C++ writer reports a failed write without its cause ("unexpected pos 576 vs 534").
+TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter")
+FULL_BELOW_BYTES = 1 << 20
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and every exception it was raised from or during, without repeats."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is not None and all(e is not s for s in seen):
+            seen.append(e)
+            todo += [e.__cause__, e.__context__]
+    return seen
+
+
+def _written_folders(cfg: DictConfig) -> list[Path]:
+    """Where a run writes: its output folder (or the checkpoint's eval/), the current folder (Hydra's and
+    the default MLflow store), a SQLite store's folder, the cache and the temporary folder; the nearest
+    existing folder of each."""
+    import os
+    import tempfile
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from sage.paths import cache_dir
+
+    given = [cfg.get("output_dir"), cfg.get("checkpoint")]
+    if HydraConfig.initialized():
+        given.append(HydraConfig.get().runtime.output_dir)
+    tracking = cfg.get("tracking") or {}
+    uri = tracking.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if uri.startswith("sqlite:///"):
+        given.append(str(Path(uri.removeprefix("sqlite:///")).parent))
+    given += [str(Path.cwd()), str(cache_dir()), tempfile.gettempdir()]
+    folders: list[Path] = []
+    for g in given:
+        if not g:
+            continue
+        folder = Path(g).absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if folder not in folders:
+            folders.append(folder)
+    return folders
+
+
+def full_disk(error: BaseException, cfg: DictConfig) -> str | None:
+    """The one line for a failure caused by a full disk (or a full quota), naming where; None for any other
+    failure, whose traceback is then shown as it is."""
+    import shutil
+
+    chain = _chain(error)
+    by_errno = [e for e in chain if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS]
+    named = next((e.filename for e in by_errno if e.filename), None)
+    if named is not None:
+        return f"the disk is full: no space left to write {named}; free space there and rerun"
+    said = by_errno or any(t in str(e) for e in chain for t in NO_SPACE_TEXT)
+    if not said and not any(t in str(e) for e in chain for t in TORCH_WRITE_FAILED):
+        return None
+    for folder in _written_folders(cfg):
+        available = shutil.disk_usage(folder).free
+        if available < FULL_BELOW_BYTES:
+            return (
+                f"the disk is full: {folder} has {available} bytes left and a write failed; free space "
+                "there and rerun"
+            )
+    if said:  # the space is back (the failed save's partial file was removed): name the run's own folder
+        folder = _written_folders(cfg)[0]
+        return (
+            f"the disk is full: a write failed with no space left on device (the run writes to {folder}); "
+            "free space there and rerun"
+        )
+    return None
+
+
+def _close_progress_bars() -> None:
+    """Progress bars left open would redraw themselves over a last message at exit."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def exit_on_config_error(
+    fn: Any, cfg: DictConfig, *, rerun: str = "rerun with resume=true to continue"
+) -> Any:
+    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2; Ctrl-C one
+    line and exit code 130 (the shell's for SIGINT), and SIGTERM the same with 143, after the MLflow run was
+    closed KILLED; a full disk one line naming where, exit code 1. ``rerun`` says how to continue after an
+    interruption."""
+    import signal
+    import sys
+    import threading
+
+    # SIGTERM becomes a Ctrl-C only where it still kills outright: under submitit the handler is submitit's,
+    # which lets a preempted job live on to its requeue signal.
+    ours = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    )
+    if ours:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return fn(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        # Progress bars left open would redraw themselves over the message at exit: close them first.
-        from tqdm import tqdm
-
-        for bar in list(getattr(tqdm, "_instances", ())):
-            bar.close()
+    except KeyboardInterrupt as e:
+        _close_progress_bars()
+        what, code = ("interrupted (Ctrl-C)", 130)
+        if isinstance(e, Terminated):
+            what, code = ("terminated (SIGTERM)", 143)
         print(
-            "interrupted (Ctrl-C): the MLflow run is marked KILLED; finished checkpoints and evaluation "
-            "cells are kept (rerun with resume=true to continue)",
+            f"{what}: the MLflow run is marked KILLED; finished checkpoints and evaluation cells are kept "
+            f"({rerun})",
             file=sys.stderr,
         )
-        sys.exit(130)
+        sys.exit(code)
+    except Exception as e:
+        line = full_disk(e, cfg)
+        if line is None:
+            raise
+        _close_progress_bars()
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
