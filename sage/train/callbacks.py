@@ -8,12 +8,10 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 
 from sage import distributed
-from sage.data.verifiers import row_verifier
 from sage.metrics import pass_at_k_curve
 
 log = logging.getLogger(__name__)
@@ -24,7 +22,12 @@ class PeriodicEval(TrainerCallback):
     being trained; pass@1 and pass@n go to MLflow as ``eval/periodic/<dataset>/pass_at_<k>`` at that step
     and to ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
     not change the training samples. The step's metrics are then handed to the ``on_evaluate`` of each of
-    ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics."""
+    ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics.
+
+    It samples as the end-of-run evaluation's HF backend does (``sage.eval.evaluate.sample_cell``: the same
+    sampler, blocks and block seeds), on the current weights: the same weights give the same correctness
+    matrix here as in ``sage-eval``. In a multi-process run every process samples and grades its share of
+    the blocks on its own replica of the model, and the main process alone merges, logs and writes."""
 
     def __init__(
         self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, pool, callbacks=()
@@ -42,50 +45,52 @@ class PeriodicEval(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every:
             return
-        if distributed.is_main():  # one evaluation per run, however many processes train
-            self._evaluate(args, state, control, model, processing_class)
+        self._evaluate(args, state, control, model, processing_class)  # on every process: its share
         # A callback's decision to stop (pruning) must reach every process: the others would otherwise wait
         # in the next step's collective for a process that has stopped.
         control.should_training_stop = distributed.broadcast(control.should_training_stop)
 
     def _evaluate(self, args, state, control, model, processing_class) -> None:
-        from sage.eval.sampling import sample_completions
+        from sage.eval.evaluate import sample_cell
+        from sage.eval.sampling import HFSampler
 
         rng = torch.get_rng_state()
         was_training = model.training
         model.eval()
-        metrics: dict[str, float] = {}
+        # ``model`` is the Trainer's own module, not its DDP wrapper: sampling runs no collective
+        sampler = HFSampler(model, processing_class, self.batch_size)
+        matrices = {}
         try:
             for name, rows in self.rows_by_dataset.items():
-                completions = sample_completions(
-                    model, processing_class, rows, self.settings, self.batch_size
-                )
-                n = self.settings.n_samples
-                scores = self.pool.grade_many(
-                    [c for per_row in completions for c in per_row],
-                    [r["answer"] for r in rows for _ in range(n)],
-                    [row_verifier(r) for r in rows for _ in range(n)],
-                )
-                correct = np.asarray(scores, dtype=bool).reshape(len(rows), n)
-                curve = pass_at_k_curve(correct, [1, n])
-                record = {
-                    "step": state.global_step,
-                    "dataset": name,
-                    "pass@1": curve[1],
-                    f"pass@{n}": curve[n],
-                }
-                self.records.append(record)
-                step_metrics = {
-                    f"eval/periodic/{name}/pass@1": curve[1],
-                    f"eval/periodic/{name}/pass@{n}": curve[n],
-                }
-                metrics.update(step_metrics)
-                if self.tracker is not None:
-                    self.tracker.log_metrics(step_metrics, step=state.global_step)
-                log.info("step %d: held-out %s pass@1 %.3f", state.global_step, name, curve[1])
+                merged = sample_cell(sampler, processing_class, rows, self.settings, self.pool)
+                if merged is not None:  # the main process
+                    matrices[name] = merged[0]
         finally:
             model.train(was_training)
             torch.set_rng_state(rng)
+        if not distributed.is_main():
+            return
+        metrics: dict[str, float] = {}
+        n = self.settings.n_samples
+        for name, correct in matrices.items():
+            curve = pass_at_k_curve(correct, [1, n])
+            self.records.append(
+                {
+                    "step": state.global_step,
+                    "dataset": name,
+                    "problems": int(correct.shape[0]),
+                    "pass@1": curve[1],
+                    f"pass@{n}": curve[n],
+                }
+            )
+            step_metrics = {
+                f"eval/periodic/{name}/pass@1": curve[1],
+                f"eval/periodic/{name}/pass@{n}": curve[n],
+            }
+            metrics.update(step_metrics)
+            if self.tracker is not None:
+                self.tracker.log_metrics(step_metrics, step=state.global_step)
+            log.info("step %d: held-out %s pass@1 %.3f", state.global_step, name, curve[1])
         self.path.write_text(json.dumps(self.records, indent=1))
         for callback in self.callbacks:
             callback.on_evaluate(args, state, control, metrics=metrics)

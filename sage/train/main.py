@@ -351,11 +351,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
             if tracker is not None:
                 tracker.set_tag("pruned_at_step", str(pruned_at))
 
-        if not distributed.is_main():  # the evaluation and its records are the main process's
-            return metrics
+        # Every process samples and grades its share of each evaluation cell; the main process merges them
+        # and alone writes the cells, results.json and the records. All models are evaluated before the
+        # main process's analyses, so that no process waits in the next evaluation's collectives for them.
+        evaluated = []
         if cfg.eval.at_end and pruned_at is None:
             max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
-            table = {}
             for label, path, rdir in to_evaluate:
                 res = evaluate_model(
                     path,
@@ -367,6 +368,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
                     dtype=str(cfg.model.dtype),
                     pool=pool,
                 )
+                evaluated.append((label, path, res))
+        if not distributed.is_main():  # the records of the evaluation are the main process's
+            return metrics
+        if evaluated:
+            table = {}
+            for label, path, res in evaluated:
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
                     metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
