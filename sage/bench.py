@@ -320,9 +320,9 @@ def _eval_processes_worker(result: Path, problems: int) -> None:
         # the main process's folder: the others write nothing
         cells = Path(distributed.broadcast(tmp))
 
-        def evaluate(name: str, seed: int, limit: int) -> float:
+        def evaluate(name: str, seed: int, limit: int) -> tuple[float, float]:
             distributed.barrier()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             evaluate_model(
                 model,
                 {k: v[:limit] for k, v in rows.items()},
@@ -333,16 +333,19 @@ def _eval_processes_worker(result: Path, problems: int) -> None:
                 dtype="float32",
                 pool=pool,
             )
+            cpu = time.process_time() - cpu0  # before the barrier: this process's own work
             distributed.barrier()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, cpu
 
         evaluate("warm-up", 1, 64)
-        wall = evaluate("timed", 0, problems)
+        wall, cpu = evaluate("timed", 0, problems)
+        cpus = distributed.gather(cpu)
     if distributed.is_main():
-        result.write_text(json.dumps({"seconds": wall}))
+        result.write_text(json.dumps({"seconds": wall, "cpu_seconds": sum(cpus)}))
 
 
-def _eval_processes_run(processes: int, problems: int) -> float:
+def _eval_processes_run(processes: int, problems: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the evaluating processes, grading workers not counted)."""
     launcher = [sys.executable]
     if processes > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
@@ -364,14 +367,17 @@ def _eval_processes_run(processes: int, problems: int) -> float:
         )
         if r.returncode != 0:
             raise RuntimeError(f"the {processes}-process evaluation failed: {r.stderr[-3000:]}")
-        return json.loads(result.read_text())["seconds"]
+        measured = json.loads(result.read_text())
+        return measured["seconds"], measured["cpu_seconds"]
 
 
 def bench_eval_processes(pairs: int = SHARD_PAIRS, problems: int = SHARD_PROBLEMS) -> dict[str, float | str]:
     """The end-of-run evaluation's wall time by 1 and by 2 processes (each samples and grades its blocks,
     the main process merges and stores), launches alternating 1, 2, 1, 2, ... so that drifts in machine
     speed hit both alike; the ratio is the median of the per-pair ratios. ``problems`` x SHARD_SAMPLES
-    sequences (8 blocks at the default): fewer shrink the runs (the tests)."""
+    sequences (8 blocks at the default): fewer shrink the runs (the tests). The CPU seconds of the
+    evaluating processes show whether the work is split without overhead when other jobs take cores and
+    hold the wall-time ratio down."""
     from sage.testbed.model import build_tiny_model
 
     build_tiny_model()  # built outside the timing
@@ -379,12 +385,14 @@ def bench_eval_processes(pairs: int = SHARD_PAIRS, problems: int = SHARD_PROBLEM
     for _ in range(pairs):
         one.append(_eval_processes_run(1, problems))
         two.append(_eval_processes_run(2, problems))
-    ratios = [a / b for a, b in zip(one, two, strict=True)]
+    ratios = [a[0] / b[0] for a, b in zip(one, two, strict=True)]
     return {
-        "eval_seconds_1_process": round(statistics.median(one), 2),
-        "eval_seconds_2_processes": round(statistics.median(two), 2),
+        "eval_seconds_1_process": round(statistics.median(w for w, _ in one), 2),
+        "eval_seconds_2_processes": round(statistics.median(w for w, _ in two), 2),
         "eval_1_over_2_processes": round(statistics.median(ratios), 2),
         "eval_1_over_2_processes_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "eval_cpu_seconds_1_process": round(statistics.median(c for _, c in one), 2),
+        "eval_cpu_seconds_2_processes": round(statistics.median(c for _, c in two), 2),
     }
 
 

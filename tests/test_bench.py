@@ -71,3 +71,4 @@ def test_eval_processes_section_times_one_and_two_process_evaluations(monkeypatc
     assert launches == [(1, 64), (2, 64)]
     one, two = out["eval_seconds_1_process"], out["eval_seconds_2_processes"]
     assert one > 0 and two > 0 and out["eval_1_over_2_processes"] == pytest.approx(one / two, abs=0.02)
+    assert out["eval_cpu_seconds_1_process"] > 0 and out["eval_cpu_seconds_2_processes"] > 0
