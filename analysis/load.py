@@ -4,9 +4,11 @@ Why frames: every table and figure is a function of these frames, so the tests c
 hand-made frames and against what MLflow recorded, without a second path to the numbers.
 
 Which runs make one table row: runs with the same method label (tag ``method``, or derived from the
-``algorithm``/``divergence``/``guide`` tags) AND the same resolved config apart from the seed. Runs of one
-method whose configs differ (e.g. a threshold x ratio grid of GRPO + Branch in the same experiment) become
-separate rows named by the params that differ, never one row averaged over different settings.
+``algorithm``/``divergence``/``guide`` tags) AND the same resolved config apart from the seed and the keys
+that change no result (``sage.run_folder.NO_RESULT_KEYS``). A run's config is its latest attempt's (an
+extended run's ``trl.max_steps`` is its ``resumed.trl.max_steps`` tag). Runs of one method whose configs
+differ (e.g. a threshold x ratio grid of GRPO + Branch in the same experiment) become separate rows named by
+the params that differ, never one row averaged over different settings.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sage.run_folder import NO_RESULT_KEYS, matches
 from sage.tracking import GROUP_TAGS, redact, resolve_uri
 
 
@@ -43,9 +46,9 @@ METHOD_NAMES = {
 ROW_ORDER = tuple(METHOD_NAMES.values())
 ALGORITHM_NAMES = {"dr_grpo": "Dr.GRPO"}  # the others are their option name in capitals
 DIVERGENCE_SUFFIX = {"reverse_kl": "", "none": " w/o KL", "forward_kl": " + forward KL"}
-# Params that differ between seeds of one experiment by design; any other difference splits a row.
-SEED_PARAMS = ("seed", "output_dir", "resume", "method")
-SEED_PARAM_PREFIXES = ("tracking.",)
+# Params that differ between seeds of one experiment by design, and (sage.run_folder.NO_RESULT_KEYS) those
+# that change no number a run reports, such as trl.save_steps; any other difference splits a row.
+SEED_PARAMS = ("seed", "method")
 
 EVAL_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_(?P<k>\d+)(?P<std>_std)?$")
 CURVE_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_k_curve$")
@@ -116,11 +119,19 @@ def method_label(tags: dict[str, str], params: dict[str, str], run_id: str) -> s
     return algorithm + divergence + guide
 
 
+def run_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
+    """A run's config as its latest attempt had it. MLflow params are write-once: a resume that changed a
+    value (``resume=true trl.max_steps=4`` on a 2-step run) records it as the tag ``resumed.<key>``, which
+    wins, so the run is labelled and grouped by what its model had."""
+    resumed = {k.removeprefix("resumed."): v for k, v in tags.items() if k.startswith("resumed.")}
+    return {**params, **resumed}
+
+
 def runs_frame(runs: Sequence) -> pd.DataFrame:
     """One line per run: ids, status, kind, seed, method label, base model, commit, tags and params."""
     rows = []
     for r in runs:
-        tags, params = dict(r.data.tags), dict(r.data.params)
+        tags, params = dict(r.data.tags), run_params(r.data.params, r.data.tags)
         kind = tags.get("sage.kind", "")
         if kind == "train" and not tags.get("seed", "").lstrip("-").isdigit():
             raise ReportError(f"sage-train run {r.info.run_id} has no integer 'seed' tag")
@@ -169,7 +180,7 @@ def varying_params(params: Sequence[dict[str, str]], ignore: Sequence[str] = ())
         for k in keys
         if k not in SEED_PARAMS
         and k not in ignore
-        and not k.startswith(SEED_PARAM_PREFIXES)
+        and not matches(k, NO_RESULT_KEYS)
         and not all(p.get(k) == p.get("seed") for p in params)  # follows the seed (e.g. guide.seed: ${seed})
         and len({p.get(k) for p in params}) > 1
     ]

@@ -64,11 +64,16 @@ def hydra_run_dir(output_dir: str | None, default: str) -> str:
 
 
 def register_resolvers() -> None:
-    """``${sage.run_dir:...}`` for the config tree (conf/train.yaml's hydra.run.dir)."""
+    """``${sage.run_dir:...}`` and ``${sage.job_dir:...}`` for the config tree (conf/train.yaml's
+    hydra.run.dir and hydra.sweep.subdir)."""
     from omegaconf import OmegaConf
+
+    from sage.run_folder import job_dir
 
     if not OmegaConf.has_resolver("sage.run_dir"):
         OmegaConf.register_new_resolver("sage.run_dir", hydra_run_dir)
+    if not OmegaConf.has_resolver("sage.job_dir"):
+        OmegaConf.register_new_resolver("sage.job_dir", job_dir)
 
 
 # Every entry point and test that composes conf/ imports this module (CONF_DIR) before Hydra resolves it.

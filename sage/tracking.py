@@ -4,6 +4,8 @@
   ``<cwd>/outputs/mlflow.db`` (artifacts beside it in ``outputs/mlartifacts``).
 - A run's MLflow id is kept in ``<output_dir>/mlflow_run_id``: a resumed run (``resume=true``, a requeued
   SLURM job) continues the SAME MLflow run, and steps it had already logged are not logged twice.
+  ``mlflow_run_id.json`` beside it records the store and the folder itself: a copy of the folder (another
+  path) starts a run of its own instead of logging into the original's.
 - Nothing secret is logged: credentials in URIs are redacted and keys that name secrets are dropped.
 """
 
@@ -417,19 +419,61 @@ def check_store(cfg: DictConfig) -> None:
 
 
 def _run_in_store(client, id_file: Path):
-    """The run ``id_file`` names, if this store holds it. A folder shared by runs logged to different
-    stores (the base model's evaluation cache) may name a run of another store: that one is not ours to
-    continue, and a new run starts."""
+    """The run ``id_file`` names, if this store holds it and it is this folder's. A folder shared by runs
+    logged to different stores (the base model's evaluation cache) may name a run of another store: that
+    one is not ours to continue, and a new run starts. So does a copy of a folder (``cp -r a b``): its
+    record names the folder it was made in, and the original's run stays the original's alone."""
     from mlflow.exceptions import MlflowException
 
     if not id_file.exists():
         return None
     run_id = id_file.read_text().strip()
+    made_in = _read_record(id_file).get("folder")
+    if made_in is not None and made_in != str(id_file.parent.resolve()):
+        log.info(
+            "MLflow run %s named in %s is %s's (this is a copy): a new run starts", run_id, id_file, made_in
+        )
+        return None
     try:
         return client.get_run(run_id)
     except MlflowException:
         log.info("MLflow run %s named in %s is not in this store: a new run starts", run_id, id_file)
         return None
+
+
+def _record_file(id_file: Path) -> Path:
+    return id_file.with_name(id_file.name + ".json")
+
+
+def _read_record(id_file: Path) -> dict:
+    """What ``id_file``'s folder records about its run: run_id, tracking_uri (redacted) and the folder
+    itself. Empty for a folder made before it was recorded."""
+    try:
+        return json.loads(_record_file(id_file).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_record(id_file: Path, run_id: str, uri: str) -> None:
+    record = {"run_id": run_id, "tracking_uri": redact(uri), "folder": str(id_file.parent.resolve())}
+    _record_file(id_file).write_text(json.dumps(record))
+
+
+def point_eval_run_at(cfg: DictConfig, record: dict, checkpoint: str) -> None:
+    """A sage-eval run (``record``: its folder's record) now names ``checkpoint`` as its checkpoint, the
+    folder its weights were moved to, when its store is this config's. A run of another store keeps
+    naming the old folder, and a logged line says so (a tag is not worth failing a run for)."""
+    uri = resolve_uri(cfg.tracking.uri)
+    where = f"MLflow run {record.get('run_id')} ({record.get('tracking_uri')})"
+    if record.get("tracking_uri") != redact(uri):
+        log.warning("%s still names the old folder as its checkpoint: it is now %s", where, checkpoint)
+        return
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).set_tag(record["run_id"], "checkpoint", redact(checkpoint))
+    except Exception as e:  # noqa: BLE001 (any store failure: say so, keep the run going)
+        log.warning("%s: its checkpoint tag could not be set to %s: %s", where, checkpoint, e)
 
 
 @contextmanager
@@ -461,6 +505,7 @@ def start_run(
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
     if resumed:
         run_id = id_file.read_text().strip()
+        _write_record(id_file, run_id, uri)  # a folder made before records were kept gets one
         client.update_run(run_id, status="RUNNING")
         # MLflow params are write-once: what a resume changed (e.g. a longer max_steps) becomes a tag.
         before = client.get_run(run_id).data.params
@@ -491,6 +536,7 @@ def start_run(
         run = client.create_run(exp_id, run_name=run_name(cfg), tags=tags)
         run_id = run.info.run_id
         id_file.write_text(run_id)
+        _write_record(id_file, run_id, uri)
         from mlflow.entities import Param
 
         items = [Param(k, v) for k, v in params.items()]

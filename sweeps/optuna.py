@@ -11,7 +11,8 @@ How it runs a study:
   submitted, every range is checked and one trial config per choice value is composed locally, so a
   misspelt key or bad range fails with one line naming it.
 - Trials are asked in batches of ``n_jobs`` and run through whichever Hydra launcher is selected (local
-  processes, a SLURM array); each trial gets ``tracking.tags.study`` and ``tracking.tags.trial``.
+  processes, a SLURM array); each trial gets ``tracking.tags.study`` and ``tracking.tags.trial`` and runs
+  in ``<sweep dir>/<study>/<trial number>`` (never in an earlier trial's folder, as a job number would be).
 - The study lives in ``storage`` (SQLite file by default, any SQLAlchemy URL such as PostgreSQL), created or
   loaded by name. Re-running the same command resumes it: trials already finished count towards
   ``n_trials``; trials left RUNNING by a killed driver are marked FAIL and their params re-enqueued; a trial
@@ -208,10 +209,19 @@ class SageOptunaSweeper(Sweeper):
             )
         return space, fixed
 
+    def trial_folder(self, number: int) -> str:
+        """A trial's folder in the sweep dir, ``<study>/<trial number>``: a study extended in the same sweep
+        dir gives each new trial a folder of its own (a job number restarts at 0 with every driver, and
+        would hand a new trial an old trial's finished run)."""
+        from sage.run_folder import safe_name
+
+        return f"{safe_name(self.study_name)}/{number}"
+
     def trial_overrides(self, fixed: list[str], params: dict[str, Any], number: int) -> list[str]:
         return [
             *fixed,
             *(f"{k}={quote(v)}" for k, v in params.items()),
+            f"hydra.sweep.subdir={quote(self.trial_folder(number))}",
             f"++tracking.tags.study={quote(self.study_name)}",
             f"++tracking.tags.trial={quote(str(number))}",
             # the run is named by the searched values and nested under the study's parent run (sage.grid)
@@ -361,6 +371,7 @@ class SageOptunaSweeper(Sweeper):
             for i, t in enumerate(trials):
                 t.set_user_attr("sweep_dir", str(sweep_dir))
                 t.set_user_attr("job_num", self.job_idx + i)
+                t.set_user_attr("job_dir", str(sweep_dir / self.trial_folder(t.number)))
             returns: Sequence[JobReturn] = self.launcher.launch(batch, initial_job_idx=self.job_idx)
             self.job_idx += len(batch)
             for t, ret in zip(trials, returns, strict=True):

@@ -113,6 +113,8 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_run(tmp_path):
     )
     assert r.returncode != 0
     assert "job #0 (submitit id" in r.stderr and "failed" in r.stderr, r.stderr[-3000:]
-    assert json.loads((sweep / "1" / "metrics.json").read_text()) == {}  # max_steps=0, no evaluation
-    for job in ("0", "1"):
-        assert "resume=auto" in (sweep / job / ".hydra" / "overrides.yaml").read_text()
+    # each job's folder is named by its overrides (sage.run_folder.job_dir)
+    jobs = [next(sweep.glob(f"*divergence={d},*")) for d in ("none", "reverse_kl")]
+    assert json.loads((jobs[1] / "metrics.json").read_text()) == {}  # max_steps=0, no evaluation
+    for job in jobs:
+        assert "resume=auto" in (job / ".hydra" / "overrides.yaml").read_text()

@@ -158,7 +158,7 @@ def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
     assert sorted(trials[0].intermediate_values) == [1, 2, 3] and trials[0].intermediate_values[1] > 0
     assert trials[1].intermediate_values == {1: pytest.approx(0.0, abs=0.05)}
     # the pruned run stopped after its first step and skipped the end-of-run evaluation
-    metrics = (tmp_path / "b" / "0" / "metrics.json").read_text()
+    metrics = (tmp_path / "b" / "pruning" / "1" / "metrics.json").read_text()  # <study>/<trial number>
     assert '"pruned_at_step": 1.0' in metrics and '"train/steps": 1.0' in metrics
     assert "trained/arith_heldout/pass@1" not in metrics
     assert "trial 1: {'guide.ratio': 0.3} pruned at step 1" in r.stdout + r.stderr

@@ -29,17 +29,20 @@ from sage.train.main import set_aside_incomplete_checkpoints
 
 
 def test_a_checkpoint_cut_short_by_a_kill_is_set_aside(tmp_path):
+    from safetensors.torch import save_file
+
     rl = tmp_path / "rl"
     done, cut = rl / "checkpoint-1", rl / "checkpoint-2"
     for folder in (done, cut):
         folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(b"weights")
+        save_file({"w": torch.ones(4)}, str(folder / "model.safetensors"))
+    weights = (cut / "model.safetensors").read_bytes()
     (done / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
-    (done / "rng_state.pth").write_bytes(b"rng")
+    torch.save({"rng": 1}, done / "rng_state.pth")
     (cut / "rng_state.pth").write_bytes(b"")  # what a SIGKILL during the save left: no trainer_state.json
     set_aside_incomplete_checkpoints(rl)
     assert get_last_checkpoint(str(rl)) == str(done)
-    assert (rl / "checkpoint-2.incomplete" / "model.safetensors").read_bytes() == b"weights"  # kept
+    assert (rl / "checkpoint-2.incomplete" / "model.safetensors").read_bytes() == weights  # kept
     set_aside_incomplete_checkpoints(rl)  # a second pass leaves the complete one alone
     assert done.is_dir()
 

@@ -106,7 +106,8 @@ def test_train_checkpoint_resume(tmp_path):
 
     # a requeued job finding final/ complete at trl.max_steps skips RL: same model, no new step logged
     saved = (out / "final" / "model.safetensors").stat().st_mtime_ns
-    r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", "resume=auto", "guide=branch")
+    again = ("trl.max_steps=4", f"output_dir={out}", "resume=auto", "guide=branch", "guide.threshold=0.5")
+    r = sage_train(tmp_path, *again, *linear)  # the same command
     assert "is complete at step 4: RL is not run again" in r.stdout + r.stderr
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == saved
     log = json.loads((out / "train_log.json").read_text())

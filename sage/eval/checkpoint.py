@@ -149,26 +149,42 @@ def _weights(checkpoint: str, folder: Path, names: tuple[str, ...]) -> None:
 def _weight_file(checkpoint: str, file: Path) -> None:
     if not file.is_file():
         raise ConfigError(f"checkpoint={checkpoint}: weight file {file.name} is missing")
+    problem = weight_file_problem(file)
+    if problem is not None:
+        raise ConfigError(f"checkpoint={checkpoint}: weight file {problem}")
+
+
+def weight_file_problem(file: Path) -> str | None:
+    """Why a weight file cannot be loaded, read from its framing without loading any tensor; None if it
+    can. A safetensors file is an 8-byte little-endian header length, that many bytes of JSON, then the
+    tensors' bytes, the last of which ends at the largest ``data_offsets`` end: a truncated copy keeps a
+    whole header and lacks bytes, a foreign file has no such header. (Used by sage-eval and by sage-train
+    on its checkpoints.)"""
     size = file.stat().st_size
     if size == 0:
-        raise ConfigError(f"checkpoint={checkpoint}: weight file {file.name} is empty")
+        return f"{file.name} is empty"
     if file.suffix != ".safetensors":
-        return
-    # A safetensors file starts with an 8-byte little-endian header length and that many bytes of JSON:
-    # reading them catches a truncated or foreign file without loading any tensor.
+        return None
     with open(file, "rb") as f:
         head = f.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        ok = 0 < length <= size - 8
-        if ok:
+        header = None
+        if 0 < length <= size - 8:
             try:
-                ok = isinstance(json.loads(f.read(length)), dict)
+                header = json.loads(f.read(length))
             except (UnicodeDecodeError, json.JSONDecodeError):
-                ok = False
-    if not ok:
-        raise ConfigError(
-            f"checkpoint={checkpoint}: weight file {file.name} is not a readable safetensors file"
-        )
+                header = None
+    if not isinstance(header, dict):
+        return f"{file.name} is not a readable safetensors file"
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return f"{file.name} is not a readable safetensors file"
+    expected = 8 + length + end
+    if size != expected:
+        what = "is cut short" if size < expected else "has bytes its header does not describe"
+        return f"{file.name} {what} ({size} bytes; the header describes {expected})"
+    return None
 
 
 def _tokenizer(checkpoint: str, folder: Path) -> None:

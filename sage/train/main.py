@@ -13,6 +13,7 @@ How it departs from a standard TRL GRPO script:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,7 +35,15 @@ from sage.config import (
     validate,
 )
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
-from sage.tracking import check_store, start_run
+from sage.run_folder import (
+    check_identity,
+    keep_earlier_final,
+    on_main,
+    publish,
+    record_identity,
+    writer_lock,
+)
+from sage.tracking import check_store, point_eval_run_at, start_run
 
 log = logging.getLogger("sage.train.main")
 register_configs()
@@ -131,7 +140,8 @@ def rl(
 ) -> Path:
     """The RL stage; returns the folder of the final model (or LoRA adapter). ``final/`` appears by an
     atomic rename once complete and records the step it was saved at: a requeued job that finds it at
-    ``trl.max_steps`` skips RL and goes on to the evaluation; a longer ``trl.max_steps`` trains on."""
+    ``trl.max_steps`` skips RL and goes on to the evaluation; a longer ``trl.max_steps`` trains on, and the
+    earlier ``final/`` is kept as ``final-step-N/``."""
     final = out / "final"
     if final_step(final) >= cfg.trl.max_steps:
         log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
@@ -167,9 +177,12 @@ def rl(
     if distributed.is_main():
         trainer.processing_class.save_pretrained(str(saving))
         (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
-        shutil.rmtree(final, ignore_errors=True)  # an earlier, shorter run's model, replaced by this one
+        # An earlier, shorter run's model is replaced by this one: it moves, with the sage-eval results
+        # inside it, to final-step-N/, and those evaluation runs' checkpoint tags follow it there.
+        retag = functools.partial(point_eval_run_at, cfg)
+        keep_earlier_final(final, final_step(final), retag=retag)
         (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
-        os.replace(saving, final)
+        publish(saving, final)
     distributed.barrier()
     release_training_engine(trainer)
     return final
@@ -233,26 +246,53 @@ def config_callback(name: str, node: DictConfig):
 
 
 def set_aside_incomplete_checkpoints(rl_dir: Path) -> None:
-    """A checkpoint-N/ whose save a kill cut short (no readable trainer_state.json, which the Trainer writes
-    after the weights, optimiser and RNG states, or an empty file) is renamed checkpoint-N.incomplete, with
-    a logged line: kept for inspection, never resumed from, and out of the way of a rerun."""
+    """A checkpoint-N/ that cannot be resumed from is renamed checkpoint-N.incomplete, with a logged line:
+    kept for inspection, never resumed from, and out of the way of a rerun. That is one whose save a kill
+    cut short (no readable trainer_state.json, which the Trainer writes after the weights, optimiser and
+    RNG states, or an empty file), or whose files a copy or a disk cut short (a weight file whose size is
+    not what its safetensors header describes, a torch file without its zip archive's closing record).
+    SageGRPOTrainer saves a checkpoint under a temporary name and renames it once whole: a save a kill
+    interrupted there (``.tmp-checkpoint-N/``) is set aside the same way."""
     if not rl_dir.is_dir():
         return
+    for staging in sorted(rl_dir.glob(".tmp-checkpoint-*")):
+        for folder in staging.glob("checkpoint-*"):
+            _set_aside(folder, rl_dir / f"{folder.name}.incomplete", "its save was interrupted")
+        shutil.rmtree(staging, ignore_errors=True)  # empty now
     for folder in sorted(rl_dir.glob("checkpoint-*")):
         if not folder.is_dir() or not folder.name.removeprefix("checkpoint-").isdigit():
             continue
-        state = folder / "trainer_state.json"
-        try:
-            complete = bool(json.loads(state.read_text())) and all(
-                f.stat().st_size > 0 for f in folder.iterdir() if f.is_file()
-            )
-        except (OSError, ValueError):
-            complete = False
-        if not complete:
-            aside = folder.with_name(f"{folder.name}.incomplete")
-            shutil.rmtree(aside, ignore_errors=True)  # an older attempt's leftover of the same step
-            folder.rename(aside)
-            log.warning("%s was not completely saved (killed while saving?): set aside as %s", folder, aside)
+        problem = checkpoint_problem(folder)
+        if problem is not None:
+            _set_aside(folder, folder.with_name(f"{folder.name}.incomplete"), problem)
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a Trainer checkpoint folder cannot be resumed from, read without loading it; None if it can."""
+    import zipfile
+
+    from sage.eval.checkpoint import weight_file_problem
+
+    try:
+        if not json.loads((folder / "trainer_state.json").read_text()):
+            return "trainer_state.json is empty"
+        for f in sorted(folder.iterdir()):
+            if not f.is_file():
+                continue
+            problem = weight_file_problem(f) if f.suffix == ".safetensors" or f.stat().st_size == 0 else None
+            if problem is None and f.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(f):
+                problem = f"{f.name} is not a whole torch file"  # torch.save writes a zip archive
+            if problem is not None:
+                return problem
+    except (OSError, ValueError):
+        return "trainer_state.json is missing or unreadable (killed while saving?)"
+    return None
+
+
+def _set_aside(folder: Path, aside: Path, why: str) -> None:
+    shutil.rmtree(aside, ignore_errors=True)  # an older attempt's leftover of the same step
+    folder.rename(aside)
+    log.warning("%s cannot be resumed from (%s): set aside as %s", folder, why, aside)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -263,17 +303,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
     out = Path(distributed.broadcast(str(cfg.output_dir or HydraConfig.get().runtime.output_dir))).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    with writer_lock(out):  # one writer per folder: a second run into it is refused in one line
+        return train_in(cfg, out, divergence, guide)
 
+
+def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
+    """The run in its folder ``out``, whose writer lock the caller holds."""
     from transformers.trainer_utils import get_last_checkpoint
 
     from sage.config import Resume, resume_mode
 
+    resume = resume_mode(cfg.resume)
+    if resume != Resume.false:  # a resume continues the folder's own config, or nothing changes in it
+        on_main(lambda: check_identity(cfg, out))
     rl_dir = out / "rl"
     if distributed.is_main():
         set_aside_incomplete_checkpoints(rl_dir)
     distributed.barrier()
     last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
-    resume = resume_mode(cfg.resume)
     if resume == Resume.true and last is None:
         raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
     if resume == Resume.false and last is not None:
@@ -296,6 +343,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if needs_rows else {}
     if distributed.is_main():
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        record_identity(cfg, out)
 
     from transformers import set_seed
 

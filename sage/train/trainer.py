@@ -25,12 +25,14 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   restore the learning rate the checkpoint's own schedule had reached (0 at the end of a finished run
   with a decaying schedule); we set it to the value the resumed schedule (over the new ``max_steps``) has
   at the checkpoint's step, which is the same value when ``max_steps`` is unchanged.
+- ``_save_checkpoint`` (with ``_get_output_dir``): the same files, written into a temporary folder and
+  renamed to ``checkpoint-N/`` once flushed to the disk, so a checkpoint is whole or absent.
 - ``VLLMGeneration._iter_named_params`` (``rollout=vllm``, on the engine TRL builds): a LoRA policy's weights
   are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by TRL's
   in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it the
   reference, on every sync (TRL issue #6688). Same names and order as TRL; each weight is rounded once.
 Generation (through TRL's ``rollout_func`` hook under ``rollout=fast``: ``sage.train.rollout``), rewards,
-advantages, the reference model and checkpointing are TRL's.
+advantages, the reference model and what a checkpoint holds are TRL's.
 
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
 all SAGE variants), ``divergence`` (the shaped term actually optimised, before beta), ``guide/q_mean``,
@@ -39,6 +41,9 @@ guide's current hyperparameters.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import torch
 from trl import GRPOTrainer
@@ -82,6 +87,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._generated_at = 0  # optimiser step the buffered training generation batch was generated at
         self._batch_id: tuple[int, int] | None = None  # (step, micro) of the micro-batch being trained on
         self._eval_batch = (-1, -1)  # (step, index) of the last evaluation batch
+        self._staging: Path | None = None  # the temporary folder a checkpoint is being saved in
         super().__init__(*args, **kwargs)
         if self.beta != divergence.beta:
             raise ValueError(f"GRPOConfig.beta={self.beta} differs from divergence.beta={divergence.beta}")
@@ -146,6 +152,65 @@ class SageGRPOTrainer(GRPOTrainer):
         for group, rate in zip(sched.optimizer.param_groups, rates, strict=True):
             group["lr"] = rate
         sched._last_lr = rates  # what get_last_lr() reports (the logged learning_rate): LambdaLR's own field
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's and transformers' save, redirected into ``.tmp-checkpoint-N/checkpoint-N/`` and renamed to
+        ``checkpoint-N/`` once every process has written its files and the main one has flushed them to
+        the disk: a checkpoint is whole or absent, never resumed from half-written (a kill during the save
+        leaves only the temporary folder, which the next start sets aside). The Trainer writes a
+        checkpoint's files from several methods (weights, optimiser, each process's RNG state, trainer
+        state, TRL's entropy controller), and every one takes the folder from ``_get_output_dir``: that is
+        the one redirection. A callback could not do it: ``on_save`` runs after the files are in place.
+        Old checkpoints are then rotated among the published ones (``_rotate_published``)."""
+        from sage.run_folder import publish
+
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging = run_dir / f".tmp-{name}"
+        if self.args.should_save and staging.exists():
+            shutil.rmtree(staging)  # a save of this step that failed earlier in this process
+        self.accelerator.wait_for_everyone()
+        self._staging = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = None
+        self.accelerator.wait_for_everyone()  # every process's files are in the temporary folder
+        if self.args.should_save:
+            target = run_dir / name
+            if target.exists():  # a save of the same step by an earlier attempt of this run
+                shutil.rmtree(target)
+            publish(staging / name, target)
+            staging.rmdir()
+            self._rotate_published(run_dir)
+        self.accelerator.wait_for_everyone()  # no process goes on before the checkpoint is in place
+
+    def _rotate_published(self, run_dir: Path) -> None:
+        """transformers' rotation (keep ``save_total_limit``, the newest and the best), over the published
+        ``checkpoint-N/`` folders in step order only: its own glob also counts the ``checkpoint-N.incomplete``
+        folders sage-train sets aside for inspection, and would delete them."""
+        limit = self.args.save_total_limit
+        steps = sorted(
+            int(p.name.removeprefix("checkpoint-"))
+            for p in run_dir.glob("checkpoint-*")
+            if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()
+        )
+        if limit is None or limit <= 0 or len(steps) <= limit:
+            return
+        checkpoints = [run_dir / f"checkpoint-{step}" for step in steps]
+        protected = {checkpoints[-1]}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(Path(self.state.best_model_checkpoint))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if checkpoint not in protected:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                remaining -= 1
+
+    def _get_output_dir(self, trial):
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _get_per_token_logps_and_entropies(self, *args, compute_entropy: bool = False, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)

@@ -158,7 +158,9 @@ def test_every_readme_command_runs(tmp_path, slurm_cluster, postgres_url):
                 shrink_to |= SHRINK_STUDY
             args = shrink(one_point(rest), shrink_to)
             run([str(BIN / tool), *args], env, tmp_path)
-            assert list(sweep.glob("*/metrics.json")), f"{command}: no job of the sweep finished"
+            # a grid job's folder is <sweep>/<its overrides>, a study's trial's <sweep>/<study>/<number>
+            finished = list(sweep.glob("*/metrics.json")) + list(sweep.glob("*/*/metrics.json"))
+            assert finished, f"{command}: no job of the sweep finished"
         elif tool == "sage-train":
             if not any(a.startswith("output_dir=") for a in rest):
                 rest.append(f"output_dir={tmp_path / f'run{len(ran)}'}")

@@ -166,6 +166,11 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+def job_folders(sweep_dir: Path) -> list[Path]:
+    """The sweep's job folders (each named by its job's overrides: sage.run_folder.job_dir)."""
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def running_job(env: dict[str, str], sweep_dir: Path) -> str | None:
     """The SLURM id (``<array>_<task>``) of the sweep's job once it is RUNNING."""
     if not (sweep_dir / ".submitit").is_dir() or not slurm_jobs(sweep_dir):
@@ -198,8 +203,9 @@ def test_grid_through_slurm_every_job_completes(slurm_cluster, mlflow_server, tm
     assert sorted(states) == [f"{array}_{i}" for i in range(4)] and set(states.values()) == {"COMPLETED"}, (
         states
     )
-    for i in range(4):
-        metrics = json.loads((sweep_dir / str(i) / "metrics.json").read_text())
+    assert len(job_folders(sweep_dir)) == 4
+    for folder in job_folders(sweep_dir):
+        metrics = json.loads((folder / "metrics.json").read_text())
         assert 0 <= metrics["trained/arith_heldout/pass@1"] <= metrics["trained/arith_heldout/pass@4"] <= 1
     runs = mlflow_runs(mlflow_server, "it-grid")
     tags = sorted((r.data.tags.get("method"), r.data.tags.get("job_num")) for r in runs)
@@ -255,8 +261,8 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
     assert len(complete) == 4
     (retry,) = [t for t in complete if t.number not in {d.number for d in done}]
     assert retry.params == pytest.approx(lost_params) and retry.user_attrs["retry_of"] == lost.number
-    # only the lost trial ran again: one job in the second sweep
-    assert sorted(p.name for p in (tmp_path / "run2").iterdir() if p.name.isdigit()) == ["0"]
+    # only the lost trial ran again: one job in the second sweep, in its trial's folder
+    assert [p.name for p in (tmp_path / "run2" / "it-study").iterdir()] == [str(retry.number)]
     for array in slurm_jobs(tmp_path / "run1") + slurm_jobs(tmp_path / "run2"):
         assert set(final_states(slurm_cluster, array).values()) == {"COMPLETED"}
 
@@ -355,7 +361,7 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_pa
     )
     try:
         job = wait_for(lambda: running_job(slurm_cluster, sweep_dir), 120, "the job to run", proc)
-        wait_for(lambda: (sweep_dir / "0" / "rl" / "checkpoint-2").is_dir(), 180, "checkpoint-2", proc)
+        wait_for(lambda: list(sweep_dir.glob("*/rl/checkpoint-2")), 180, "checkpoint-2", proc)
         subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster, check=True)
         # SLURM holds a requeued job until its begin time (about two minutes); let it start now instead.
         wait_for(lambda: squeue(slurm_cluster, job) == "PENDING BeginTime", 60, "the requeued job", proc)
@@ -365,7 +371,7 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, mlflow_server, tmp_pa
         if proc.poll() is None:
             proc.kill()
     assert rc == 0, log[-4000:]
-    out = sweep_dir / "0"
+    (out,) = job_folders(sweep_dir)
     assert "resume=auto" in (out / ".hydra" / "overrides.yaml").read_text()
     steps = [e["step"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
     assert steps == list(range(1, 13)), steps
@@ -403,7 +409,7 @@ def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server,
     assert "8 completions per forward pass x 1 accumulation steps x 2 processes = 16 completions" in task_logs
     (run,) = mlflow_runs(mlflow_server, "it-two-tasks")
     assert run.info.status == "FINISHED"
-    out = sweep_dir / "0"
+    (out,) = job_folders(sweep_dir)
     assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 2
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["trained/arith_heldout/pass@1"] <= 1

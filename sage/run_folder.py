@@ -1,0 +1,309 @@
+"""A run folder (sage-train's ``output_dir``) holds one config, one writer and one MLflow run, and keeps its
+results.
+
+- **Identity.** The resolved config minus the keys a resume may change is recorded in ``identity.json``
+  when a run starts in the folder. ``resume=true|auto`` with another identity is one line naming the
+  keys that differ, before anything in the folder changes. Those keys are listed once, here:
+  ``EXTENDING_KEYS`` extend a run or measure it differently (``trl.max_steps``, ``eval.*``), and
+  ``NO_RESULT_KEYS`` change no number the run reports (where it logs, how often it saves, ...).
+  sage-report never splits rows on the second list. A sweep job's folder is named by its overrides minus
+  the second list (``job_dir``), so a grid rerun with a changed sweep gives each job its own config's folder.
+- **One writer.** ``writer_lock`` holds an exclusive lock on ``<output_dir>/.writer.lock`` for the life of
+  the run. The file names the holder (pid and host), so a second writer's one line can name it; it is
+  removed when the run ends.
+- **Nothing is deleted.** ``keep_earlier_final`` moves a ``final/`` that an extended run replaces, with
+  the ``sage-eval`` results inside it, to ``final-step-N/``.
+- ``publish`` makes a folder appear complete or not at all: files fsynced, then one rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Keys whose value changes no number a run reports: where and how it logs, how often it checkpoints, its
+# folder and resume mode. A resume may change them, sage-report does not split rows on them, and a sweep
+# job's folder name leaves them out.
+NO_RESULT_KEYS = (
+    "output_dir",
+    "resume",
+    "tracking.*",
+    "trl.save_*",  # save_steps, save_strategy, save_total_limit, save_only_model, save_on_each_node
+    "trl.logging_*",
+    "trl.log_*",  # log_level, log_completions, ...
+    "trl.report_to",
+    "trl.project",
+    "trl.run_name",
+    "trl.push_to_hub",
+    "trl.hub_*",
+    "trl.ddp_timeout",
+    "trl.skip_memory_metrics",
+    "trl.disable_tqdm",
+)
+# Keys that extend a run or measure it differently: a resume may change them (a longer run, another
+# evaluation), but they change its reported numbers, so reports and folder names keep them.
+EXTENDING_KEYS = ("trl.max_steps", "eval.*")
+
+IDENTITY_FILE = "identity.json"
+LOCK_FILE = ".writer.lock"
+CONFIG_FILE = "config.yaml"  # the resolved config of the run's latest attempt (sage.train.main)
+
+
+def matches(key: str, patterns: tuple[str, ...]) -> bool:
+    """``key`` (dotted) is one of ``patterns`` or lies under one (``tracking.*`` covers tracking.tags.x)."""
+    return any(fnmatch.fnmatchcase(key, p) or key == p.removesuffix(".*") for p in patterns)
+
+
+# ---------------------------------------------------------------- identity
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A resolved config as {dotted key: leaf value}; lists stay one value, an empty dict is one."""
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def identity(cfg) -> dict[str, Any]:
+    """The resolved config that defines a run folder's results: every key but those a resume may change."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    flat = _flatten(values)
+    # through JSON, as the file holds it: a tuple and a list, or 1 and 1.0, are then the same value
+    return json.loads(
+        json.dumps({k: v for k, v in flat.items() if not matches(k, NO_RESULT_KEYS + EXTENDING_KEYS)})
+    )
+
+
+def recorded_identity(out: Path) -> dict[str, Any] | None:
+    """The identity the folder records; a folder made before identities were recorded has its run's
+    ``config.yaml``, from which it is derived. None: no run has started here."""
+    if (out / IDENTITY_FILE).is_file():
+        return json.loads((out / IDENTITY_FILE).read_text())
+    if (out / CONFIG_FILE).is_file():
+        from omegaconf import OmegaConf
+
+        return identity(OmegaConf.load(out / CONFIG_FILE))
+    return None
+
+
+def check_identity(cfg, out: Path) -> None:
+    """A resume into ``out`` must have the config of the run it continues: a ConfigError naming every key
+    that differs otherwise (before the caller changes anything in the folder)."""
+    from sage.config import ConfigError
+
+    recorded = recorded_identity(out)
+    if recorded is None:
+        return
+    now = identity(cfg)
+    both = sorted(k for k in recorded.keys() & now.keys() if recorded[k] != now[k])
+    one_side = sorted(recorded.keys() ^ now.keys())  # what a group chosen differently adds or drops
+    if not both and not one_side:
+        return
+    parts = [f"{k}={_show(now[k])} (the folder's: {_show(recorded[k])})" for k in both[:6]]
+    if len(both) > 6:
+        parts.append(f"{len(both) - 6} more")
+    if one_side:
+        extra = ", ".join(one_side[:6]) + (f" and {len(one_side) - 6} more" if len(one_side) > 6 else "")
+        parts.append(f"keys only one of them has: {extra}")
+    raise ConfigError(
+        f"output_dir={out} holds a run of another config: {'; '.join(parts)}; a resume continues the same "
+        "config (only trl.max_steps, eval.*, tracking.* and keys that change no result may differ): "
+        "choose another output_dir"
+    )
+
+
+def _show(value: Any) -> str:
+    return (value if isinstance(value, str) else json.dumps(value))[:60]
+
+
+def record_identity(cfg, out: Path) -> None:
+    """Write the folder's identity (whole or not at all)."""
+    tmp = out / f".{IDENTITY_FILE}.tmp"
+    tmp.write_text(json.dumps(identity(cfg), indent=1, sort_keys=True))
+    os.replace(tmp, out / IDENTITY_FILE)
+
+
+# ---------------------------------------------------------------- sweep job folders
+_UNSAFE = re.compile(r"[^A-Za-z0-9._,=+@:-]")
+_MAX_NAME = 120  # file systems allow 255 bytes; a hash keeps longer names unique
+
+
+def job_dir(overrides: Any) -> str:
+    """A sweep job's folder name (``hydra.sweep.subdir``): its overrides, sorted, bar ``NO_RESULT_KEYS``
+    (``resume=auto`` from the launcher, tracking tags, ...). The same config keeps its folder in every rerun
+    of a sweep, whatever its job number; a character a folder name should not hold becomes ``_``, and
+    then, or when the name is long, a hash of the overrides is appended so that names stay distinct."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in overrides])
+    last = {(o.key_or_group, o.package): o for o in parsed}  # a key given twice: its last value
+    kept = sorted(
+        o.input_line.lstrip("+") for o in last.values() if not matches(o.key_or_group, NO_RESULT_KEYS)
+    )
+    name = ",".join(kept) or "default"
+    safe = _UNSAFE.sub("_", name)
+    if safe != name or len(safe) > _MAX_NAME:
+        safe = f"{safe[:_MAX_NAME]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return safe
+
+
+def safe_name(text: str) -> str:
+    """``text`` as one folder name (no separators)."""
+    return _UNSAFE.sub("_", text) or "_"
+
+
+# ---------------------------------------------------------------- one writer
+@contextlib.contextmanager
+def writer_lock(out: Path) -> Iterator[None]:
+    """The one writer of ``out`` for the life of the block, in the main process of a run (the others of a
+    multi-process run get the same one line when it is refused). The lock is released, and its file
+    removed, when the block ends; a holder that dies releases it too (its file then stays, naming it)."""
+    from sage import distributed
+    from sage.config import ConfigError
+
+    held, refused = None, None
+    if distributed.is_main():
+        try:
+            held = _acquire(out)
+        except ConfigError as e:
+            refused = str(e)
+    # The other processes would otherwise wait for the main one in their next collective until the timeout.
+    refused = distributed.broadcast(refused)
+    if refused is not None:
+        raise ConfigError(refused)
+    try:
+        yield
+    finally:
+        if held is not None:
+            (out / LOCK_FILE).unlink(missing_ok=True)  # still held: no one can take this file meanwhile
+            held.close()
+
+
+def _acquire(out: Path):
+    from sage.config import ConfigError
+
+    path = out / LOCK_FILE
+    while True:
+        lock = open(path, "a+")  # noqa: SIM115 (held for the life of the run)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise ConfigError(
+                f"output_dir={out} is being written by another run ({holder(out)}); "
+                "wait for it to end, or choose another output_dir"
+            ) from None
+        # A holder that was ending removed the file this one opened: the lock is the file now at the path.
+        try:
+            current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        lock.close()
+    lock.seek(0)
+    lock.truncate()
+    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    lock.flush()
+    return lock
+
+
+def holder(out: Path) -> str:
+    """Who holds ``out``'s writer lock, as its file says. The holder writes it just after taking the lock,
+    so an empty file is read again for a moment."""
+    for _ in range(20):
+        try:
+            who = json.loads((out / LOCK_FILE).read_text())
+            return f"pid {who['pid']} on host {who['host']}"
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.05)
+    return "a process that has not yet written its pid and host"
+
+
+def on_main(check: Callable[[], None]) -> None:
+    """``check`` run by the main process alone; its ConfigError stops every process of the run with the
+    same one line."""
+    from sage import distributed
+    from sage.config import ConfigError
+
+    refused = None
+    if distributed.is_main():
+        try:
+            check()
+        except ConfigError as e:
+            refused = str(e)
+    refused = distributed.broadcast(refused)
+    if refused is not None:
+        raise ConfigError(refused)
+
+
+# ---------------------------------------------------------------- writing whole folders
+def fsync_tree(folder: Path) -> None:
+    """Every file under ``folder`` and every folder, flushed to the disk."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """``tmp`` (complete) becomes ``final`` by one rename after its contents are on the disk: a crash
+    leaves ``final`` absent or whole, never a folder whose files the disk had not yet written."""
+    fsync_tree(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+# ---------------------------------------------------------------- results kept
+def keep_earlier_final(
+    final: Path, step: int, retag: Callable[[dict, str], None] | None = None
+) -> Path | None:
+    """An extended run replaces ``final/``: the earlier one moves, whole, to ``final-step-<step>/``, so the
+    ``sage-eval`` results inside it stay beside the weights they measured. The records of those
+    evaluation runs (``mlflow_run_id.<key>.json``) are updated to the new folder, and ``retag(record,
+    new path)`` points each run's ``checkpoint`` tag there. Returns the new folder (None: no final/)."""
+    if not final.is_dir():
+        return None
+    name = f"final-step-{step}" if step >= 0 else "final-step-unknown"
+    aside, n = final.with_name(name), 1
+    while aside.exists():  # the same step kept before (a run pruned, then extended): keep both
+        n += 1
+        aside = final.with_name(f"{name}.{n}")
+    os.replace(final, aside)
+    log.info("the earlier final model (step %d) and its evaluations are kept in %s", step, aside)
+    eval_dir = aside / "eval"
+    for record_file in sorted(eval_dir.glob("mlflow_run_id*.json")) if eval_dir.is_dir() else []:
+        record = json.loads(record_file.read_text())
+        record["folder"] = str(eval_dir.resolve())
+        record_file.write_text(json.dumps(record))
+        if retag is not None:
+            retag(record, str(aside.resolve()))
+    return aside
