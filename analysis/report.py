@@ -28,7 +28,7 @@ import pandas as pd
 from analysis import bootstrap, figures, load, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
-from sage.tracking import redact
+from sage.tracking import probe_limits, redact, resolve_uri, store_failure
 
 SOURCES = ["row", "seed", "run_id", "label"]
 NOISE_SENTENCE = (
@@ -85,7 +85,13 @@ def select(
         )
     runs["row"] = load.assign_rows(runs)
     runs, dup_notes = load.one_run_per_seed(runs)
-    asked = sorted(seeds) if seeds else sorted(int(s) for s in runs["seed"].unique())
+    present = sorted(int(s) for s in runs["seed"].unique())
+    asked = sorted(seeds) if seeds else present
+    if not set(asked) & set(present):  # a report of no run would be tables of dashes, not a result
+        raise ReportError(
+            f"--seeds {','.join(map(str, asked))}: no finished sage-train run of {where} has any of these "
+            f"seeds (seeds present: {present})"
+        )
     return Selection(runs.reset_index(drop=True), asked, notes + dup_notes, int((~keep).sum()))
 
 
@@ -622,6 +628,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def readable_store(uri: str | None):
+    """``load.open_store`` and one query, under sage-train's probe limits: a corrupt SQLite file or a dead
+    or hung server is one line, not MLflow's traceback from the first table read."""
+    try:
+        with probe_limits():
+            client, resolved = load.open_store(uri)
+            client.search_experiments(max_results=1)
+    except ReportError:
+        raise
+    except Exception as e:
+        raise ReportError(
+            f"the MLflow store {redact(resolve_uri(uri))} cannot be read: {store_failure(e)}"
+        ) from e
+    return client, resolved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download otherwise
@@ -635,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sage-report: --include file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
-        client, uri = load.open_store(args.tracking_uri)
+        client, uri = readable_store(args.tracking_uri)
         if args.check:
             n = len(load.fetch_runs(client, args.experiment, [], args.filter))
             if n == 0:

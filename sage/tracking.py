@@ -401,21 +401,59 @@ def open_store(uri: str, experiment: str):
         return client, experiment_id(client, experiment, uri)
 
 
+# The probe's limits, through MLflow's own settings: two short attempts, so that a server that accepts
+# connections but never answers fails the check in seconds, not after MLflow's minutes of retries.
+PROBE_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+# The run's own requests, once the server has answered: a few retries, each patient enough for a busy server.
+RUN_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
+
+
+@contextmanager
+def probe_limits() -> Iterator[None]:
+    """PROBE_HTTP for the duration (the environment's own MLFLOW_HTTP_REQUEST_* settings win), with
+    urllib3's retry warnings silenced: the check's failure is one line, and a retry is no news."""
+    added = {k: v for k, v in PROBE_HTTP.items() if k not in os.environ}
+    os.environ.update(added)
+    retries = logging.getLogger("urllib3.connectionpool")
+    level = retries.level
+    retries.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        retries.setLevel(level)
+        for k in added:
+            del os.environ[k]
+
+
+def store_failure(error: Exception) -> str:
+    """The reason a store could not be opened, in a few words: urllib3's cause (connection refused, read
+    timed out) rather than MLflow's wrapper of it, else the error's first line."""
+    text = str(error).strip()
+    cause = re.search(r"Caused by \w+\([\"'].*?\): (.*?)[\"']\)+$", text, flags=re.DOTALL)
+    if cause:
+        return cause.group(1)
+    return (text.splitlines() or [type(error).__name__])[0][:300]
+
+
 def check_store(cfg: DictConfig) -> None:
-    """Open the run's MLflow store before any expensive work, so that an unreachable server or a corrupt
-    SQLite file fails in seconds with one line. A server gets a few short retries, not urllib3's minutes of
-    backoff (the environment's MLFLOW_HTTP_REQUEST_* settings win)."""
+    """Open the run's MLflow store before any expensive work, so that an unreachable or hung server or a
+    corrupt SQLite file fails in seconds with one line (``probe_limits``)."""
     if not cfg.tracking.enabled:
         return
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     uri = resolve_uri(cfg.tracking.uri)
     try:
-        open_store(uri, cfg.tracking.experiment)
-    except Exception as e:  # any failure to reach or read the store: the reason's first line, once
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise ConfigError(f"tracking.uri={redact(uri)}: the MLflow store cannot be opened: {reason}") from e
+        with probe_limits():
+            open_store(uri, cfg.tracking.experiment)
+    except Exception as e:  # any failure to reach or read the store: its reason, once
+        raise ConfigError(
+            f"tracking.uri={redact(uri)}: the MLflow store cannot be opened: {store_failure(e)}"
+        ) from e
+    for k, v in RUN_HTTP.items():
+        os.environ.setdefault(k, v)
 
 
 def _run_in_store(client, id_file: Path):

@@ -57,9 +57,10 @@ def sft_folder(overrides: list[str]) -> Path:
     """Where the SFT stage of a sage-train run with ``overrides`` is stored (the lock beside it)."""
     from hydra import compose, initialize_config_dir
 
-    from sage.config import instantiate_node
+    from sage.config import instantiate_node, register_configs
     from sage.train.sft import sft_key
 
+    register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     base = instantiate_node(cfg.model.source)  # the testbed base model (built once, cached)

@@ -203,3 +203,36 @@ def _tokenizer(checkpoint: str, folder: Path) -> None:
             raise ConfigError(f"checkpoint={checkpoint}: tokenizer file {file.name} is empty")
     if (folder / "tokenizer.json").exists():
         _json_file(checkpoint, folder / "tokenizer.json")
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+"""Where transformers saves a tokenizer's chat template (older versions: tokenizer_config.json's key)."""
+
+
+def has_chat_template(folder: Path) -> bool | None:
+    """Whether the tokenizer saved in ``folder`` has a chat template; None when it is not a local folder
+    (a hub id, which is not downloaded to find out)."""
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    if any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+
+
+def check_prompt_format(path: str, chat: bool) -> None:
+    """The model option's prompt format (``model.chat``) must be the checkpoint's: a checkpoint trained on
+    chat turns has a chat template in its tokenizer, one trained on bare text has none. Either mismatch
+    is one line, before anything is created: a chat option on a bare tokenizer cannot render its prompts,
+    and bare prompts to a chat model would be scored in a format it was never trained on."""
+    templated = has_chat_template(Path(Checkpoint.resolve(path).tokenizer))
+    if templated is None or templated == chat:
+        return
+    if chat:
+        raise ConfigError(
+            f"checkpoint={path} has a bare-text tokenizer (no chat template) but model.chat=true: choose the "
+            "model option it was trained with (e.g. model=tiny), or one with chat: false"
+        )
+    raise ConfigError(
+        f"checkpoint={path} has a chat tokenizer (a chat template) but model.chat=false: choose the model "
+        "option it was trained with (e.g. model=tiny_chat), or one with chat: true"
+    )

@@ -61,7 +61,7 @@ ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
     from sage.eval.analyses import log_analyses
-    from sage.eval.checkpoint import check_checkpoint_folder
+    from sage.eval.checkpoint import check_checkpoint_folder, check_prompt_format
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
     from sage.eval.sampling import check_backend
 
@@ -72,6 +72,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_store(cfg)
     if cfg.checkpoint is not None:
         check_checkpoint_folder(cfg.checkpoint)
+        check_prompt_format(cfg.checkpoint, cfg.model.chat)
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
     rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)
@@ -171,7 +172,8 @@ def perplexity_base(cfg: DictConfig, model_path: str) -> str | None:
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    exit_on_config_error(evaluate, cfg)
+    # finished cells are kept and never sampled again; sage-eval has no resume key (it always continues)
+    exit_on_config_error(evaluate, cfg, rerun="the same command samples only the missing cells")
 
 
 def main() -> None:

@@ -330,6 +330,15 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
         )
     if last is not None:
         log.info("resume=%s: continuing from %s", resume, last)
+    # A run is extended, never shortened: its model has already taken the steps a smaller trl.max_steps
+    # would stop before, so neither the model nor train/steps could match that config.
+    reached = max(final_step(out / "final"), int(Path(last).name.rsplit("-", 1)[1]) if last else -1)
+    if cfg.trl.max_steps < reached:
+        raise ConfigError(
+            f"trl.max_steps={cfg.trl.max_steps} is below step {reached}, which the model in {out} has "
+            f"already trained to: a run can be extended, not shortened; give trl.max_steps >= {reached}, or "
+            "another output_dir"
+        )
 
     # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
     # model is built.
