@@ -48,12 +48,10 @@ def test_a_checkpoint_cut_short_by_a_kill_is_set_aside(tmp_path):
 
 
 def cfg(uri: str):
-    return OmegaConf.create(
-        {
-            "seed": 1,
-            "tracking": {"enabled": True, "uri": uri, "experiment": "e", "run_name": None, "tags": {}},
-        }
-    )
+    from sage.config import TrackingConfig
+
+    tracking = OmegaConf.merge(OmegaConf.structured(TrackingConfig), {"uri": uri, "experiment": "e"})
+    return OmegaConf.create({"seed": 1, "tracking": tracking})
 
 
 def test_a_rerun_without_a_checkpoint_starts_a_new_run(tmp_path):
