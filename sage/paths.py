@@ -173,50 +173,76 @@ def _build_into(final: Path, marker: str, build: Callable[[Path], None], tmp: Pa
 
 
 def _build_in_run(final: Path, marker: str, build: Callable[[Path], None], collective: bool) -> Path:
-    """``build_once`` for every process of a multi-process run.
-
-    Only the main process takes the lock, so only it waits on another job's build, and it waits on the
-    file lock. It then writes its decision to a file named by the run's token: "ready" (built, by another
-    job or by itself when the build is its alone), "build" (a collective build into a temporary folder
-    the others join) or "failed". The other processes wait for that file on the file system, not inside a
-    collective: a collective would time out (``trl.ddp_timeout``) while another job of the grid builds for
-    longer than that, and kill this job. A barrier follows only once every process has its decision, when
-    no process waits on anything but this run's own work."""
-    decision = final.parent / f".{final.name}.{distributed.run_token()}.decision"
+    """``build_once`` for every process of a multi-process run: the main process takes the lock and
+    decides (``MainDecision``): "ready" (built, by another job or by itself when the build is its alone),
+    "build" (a collective build into a temporary folder the others join) or "failed"."""
+    decision = MainDecision(final, f"{final.name} (built once, shared by the jobs of a grid)")
     if distributed.is_main():
         final.parent.mkdir(parents=True, exist_ok=True)
-        told = False
-        try:
+        with decision.telling_failures():
             with folder_lock(final):
                 if (final / marker).exists():
                     log.info("built by a concurrent job: %s", final)
                 else:
                     tmp = tmp_folder_for(final)
                     if collective:
-                        _decide(decision, {"build": str(tmp)})
-                        told = True
+                        decision.tell({"build": str(tmp)})
                     _build_into(final, marker, build, tmp)
-            if not told:
-                _decide(decision, {"ready": True})
-        except BaseException as e:
-            if not told:  # the others wait for a decision: tell them, so that they stop too
-                _decide(decision, {"failed": f"{type(e).__name__}: {e}"})
-            raise
+            if not decision.told:
+                decision.tell({"ready": True})
     else:
-        what = f"the main process's decision on {final.name} (built once, shared by the jobs of a grid)"
-        told = json.loads(distributed.wait_for_file(decision, what))
-        if "failed" in told:
-            raise RuntimeError(f"the main process could not build {final}: {told['failed']}")
+        told = decision.hear()
         if "build" in told:
             build(Path(told["build"]))
-    distributed.barrier()  # every process has its decision and the main one has renamed the build
-    if distributed.is_main():
-        decision.unlink(missing_ok=True)
+    decision.close()  # every process has its decision and the main one has renamed the build
     return final
 
 
-def _decide(path: Path, decision: dict) -> None:
-    """Written whole or not at all: a waiting process never reads half a decision."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(decision))
+def write_atomically(path: Path, text: str) -> None:
+    """Written whole or not at all: a process waiting for the file never reads half of it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+class MainDecision:
+    """What the main process of a multi-process run decided about ``about`` (build it, use it, sample it),
+    told to the run's other processes through a file named by the run's token.
+
+    Only the main process waits on another job's work, and it waits on the file lock; the others wait for
+    this file on the file system, never inside a collective: a collective would time out
+    (``trl.ddp_timeout``) while another job of the grid builds or samples for longer than that, and kill
+    this job. ``close`` is the first collective after it, when no process waits on anything but this
+    run's own work."""
+
+    def __init__(self, about: Path, what: str) -> None:
+        self.path = about.parent / f".{about.name}.{distributed.run_token()}.decision"
+        self.what = what
+        self.told = False
+
+    def tell(self, decision: dict) -> None:
+        write_atomically(self.path, json.dumps(decision))
+        self.told = True
+
+    @contextlib.contextmanager
+    def telling_failures(self) -> Iterator[None]:
+        """The main process's side: an error before it has told a decision is told as "failed", so that
+        the others, who wait for one, stop too."""
+        try:
+            yield
+        except BaseException as e:
+            if not self.told:
+                self.tell({"failed": f"{type(e).__name__}: {e}"})
+            raise
+
+    def hear(self) -> dict:
+        """The other processes' side: the main process's decision, once it is written."""
+        told = json.loads(distributed.wait_for_file(self.path, f"the main process's decision on {self.what}"))
+        if "failed" in told:
+            raise RuntimeError(f"the main process failed on {self.what}: {told['failed']}")
+        return told
+
+    def close(self) -> None:
+        distributed.barrier()  # every process has read the decision: the file can go
+        if distributed.is_main():
+            self.path.unlink(missing_ok=True)

@@ -84,13 +84,6 @@ def store_cell(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Written whole or not at all: a process waiting for the file never reads half of it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_results(path: Path, model_path: str, results: dict[str, dict]) -> None:
     payload: dict[str, Any] = {
         "checkpoint": model_path,

