@@ -119,7 +119,7 @@ class _SageSubmitit:
     def _start(self, job_overrides, initial_job_idx: int) -> tuple[Any, list[tuple]]:
         """Make the sweep dir and the grid's MLflow parent run (``sage.grid``; not when a sweeper that
         owns one, Optuna's, launches); submitit's executor and each job's call arguments."""
-        from sage.grid import open_parent, sets
+        from sage.grid import grid_key, open_parent, sets
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ class _SageSubmitit:
         self.parent_id = None
         tracking = self.config.get("tracking")  # type: ignore[attr-defined]
         if tracking is not None and not any(sets(o, "tracking.parent_run_id") for o in job_overrides):
-            self.parent_id = open_parent(tracking, sweep_dir, name=f"grid-{sweep_dir.name}")
+            self.parent_id = open_parent(tracking, grid_key(sweep_dir), name=f"grid-{sweep_dir.name}")
         return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
 
     def _finish(self, results: list[JobReturn]) -> list[JobReturn]:

@@ -4,8 +4,9 @@
   to every job as ``tracking.name_keys``, and ``sage.tracking.run_name`` puts their values in the run name.
 - ``open_parent``: the driver process (launcher or sweeper) opens the grid's parent run before it submits
   anything, and every job gets ``tracking.parent_run_id``, so its run is the parent's child
-  (``mlflow.parentRunId``). The parent is found by its sweep dir (tag ``sage.sweep_dir``): rerunning the
-  same grid reuses it and never makes a second one.
+  (``mlflow.parentRunId``). A grid's parent is found by its sweep dir (tag ``sage.sweep_dir``), a study's
+  by its name and storage (tag ``sage.optuna_study``: a study resumed into another sweep dir is the same
+  study): rerunning the same grid or study reuses its parent and never makes a second one.
 - ``close_parent``: when the grid ends, ``sage-report`` over the parent's children is logged into it as
   artifacts (``report/report.md``, ``report/figures/*.png``, ``report/tables/*.csv``).
 """
@@ -25,7 +26,8 @@ from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
 log = logging.getLogger(__name__)
 
-SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid or study: the sweep dir it was launched into
+SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid: the sweep dir it was launched into
+STUDY_TAG = "sage.optuna_study"  # the parent of an Optuna study: study_key's value
 REPORT_TAG = "sage.report_of"  # the parent made by sage-report --log-to-mlflow: what it reports on
 PARENT_KIND = "grid"  # its sage.kind: sage-report lists it and leaves it out of every table
 # Overrides that never tell two jobs' results apart (where a job writes, logs, resumes): not in run names.
@@ -68,23 +70,34 @@ def with_grid(overrides: Sequence[str], keys: Sequence[str], parent_id: str | No
     return out
 
 
-def open_parent(tracking: DictConfig, sweep_dir: Path, name: str) -> str | None:
-    """The id of the parent run of the grid or study launched into ``sweep_dir``: the one an earlier launch
-    into the same folder made (set RUNNING again), else a new one. None with ``tracking.enabled=false``."""
+def grid_key(sweep_dir: Path) -> tuple[str, str]:
+    """(tag, value) that finds a grid's parent run: its sweep dir, absolute."""
+    return SWEEP_TAG, str(Path(sweep_dir).resolve())
+
+
+def study_key(study_name: str, storage: str) -> tuple[str, str]:
+    """(tag, value) that finds an Optuna study's parent run: the study's name and its storage (password
+    hidden), wherever its launches write."""
+    return STUDY_TAG, f"{study_name} in {redact(storage)}"
+
+
+def open_parent(tracking: DictConfig, key: tuple[str, str], name: str) -> str | None:
+    """The id of the parent run found by ``key`` (``grid_key`` or ``study_key``): the one an earlier launch
+    made (set RUNNING again), else a new one. None with ``tracking.enabled=false``."""
     if not tracking.enabled:
         return None
     uri = resolve_uri(tracking.uri)
     client, exp_id = open_store(uri, tracking.experiment)
-    key = str(Path(sweep_dir).resolve())
-    earlier = client.search_runs([exp_id], f"tags.`{SWEEP_TAG}` = '{key}'", max_results=1)
+    tag, value = key
+    earlier = client.search_runs([exp_id], f"tags.`{tag}` = '{value}'", max_results=1)
     if earlier:
         run_id = earlier[0].info.run_id
         client.update_run(run_id, status="RUNNING")
-        log.info("MLflow parent run %s of %s (continued) in %s", run_id, key, redact(uri))
+        log.info("MLflow parent run %s of %s (continued) in %s", run_id, value, redact(uri))
         return run_id
-    tags = {SWEEP_TAG: key, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
+    tags = {tag: value, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
     run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id
-    log.info("MLflow parent run %s of %s (new) in %s", run_id, key, redact(uri))
+    log.info("MLflow parent run %s of %s (new) in %s", run_id, value, redact(uri))
     return run_id
 
 

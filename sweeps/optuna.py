@@ -338,9 +338,10 @@ class SageOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        from sage.grid import close_parent, open_parent
+        from sage.grid import close_parent, open_parent, study_key
 
-        self.parent_id = open_parent(self.config.tracking, sweep_dir, name=f"study-{self.study_name}")
+        key = study_key(self.study_name, self.storage)
+        self.parent_id = open_parent(self.config.tracking, key, name=f"study-{self.study_name}")
         try:
             best = self.run_study(study, space, fixed, sweep_dir)
         except BaseException:

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from sage.config import register_configs
-from sage.grid import close_parent, name_keys, open_parent, with_grid
+from sage.grid import close_parent, grid_key, name_keys, open_parent, study_key, with_grid
 from sage.tracking import PARENT_TAG, run_name, start_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +70,8 @@ def test_jobs_are_children_of_one_parent_that_a_rerun_reuses(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracking = cfg_for(f"tracking.uri={uri}", "tracking.experiment=grid").tracking
     sweep = tmp_path / "sweep"
-    parent = open_parent(tracking, sweep, name="grid-sweep")
-    assert open_parent(tracking, tmp_path / "other", name="grid-other") != parent
+    parent = open_parent(tracking, grid_key(sweep), name="grid-sweep")
+    assert open_parent(tracking, grid_key(tmp_path / "other"), name="grid-other") != parent
     cfg = cfg_for(f"tracking.uri={uri}", "tracking.experiment=grid", f"tracking.parent_run_id={parent}")
     (tmp_path / "job").mkdir()
     with start_run(cfg, tmp_path / "job", kind="train") as tracker:
@@ -82,10 +82,25 @@ def test_jobs_are_children_of_one_parent_that_a_rerun_reuses(tmp_path):
     close_parent(tracking, parent, ok=False)
     run = client.get_run(parent)
     assert run.info.status == "FAILED" and "sage.report" in run.data.tags
-    assert open_parent(tracking, sweep, name="grid-sweep") == parent  # rerun: the same parent, RUNNING again
+    assert open_parent(tracking, grid_key(sweep), name="grid-sweep") == parent  # rerun: the same parent, RUNNING again
     assert client.get_run(parent).info.status == "RUNNING"
     exp = client.get_experiment_by_name("grid").experiment_id
     assert len(client.search_runs([exp], "tags.`sage.kind` = 'grid'")) == 2  # sweep and other, once each
+
+
+def test_a_study_has_one_parent_whatever_sweep_dir_its_launches_write_to(tmp_path):
+    """An Optuna study resumed by a second launch (another hydra.sweep.dir, the same name and storage) is one
+    study: its trials nest under one parent run; another storage or name is another study. The storage's
+    password never reaches the tag."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = cfg_for(f"tracking.uri={uri}", "tracking.experiment=study").tracking
+    storage = "postgresql+psycopg://optuna:secret@db:5432/optuna"
+    first = open_parent(tracking, study_key("s", storage), name="study-s")
+    assert open_parent(tracking, study_key("s", storage), name="study-s") == first
+    assert open_parent(tracking, study_key("s", "sqlite:///other.db"), name="study-s") != first
+    assert open_parent(tracking, study_key("t", storage), name="study-t") != first
+    tags = MlflowClient(uri).get_run(first).data.tags
+    assert "secret" not in str(tags) and tags["sage.kind"] == "grid"
 
 
 def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
@@ -160,7 +175,7 @@ def log_grid(uri: str, root: Path, experiment: str) -> str:
     from sage.metrics import pass_at_k_over_seeds
 
     where = [f"tracking.uri={uri}", f"tracking.experiment={experiment}"]
-    parent = open_parent(cfg_for(*where).tracking, root / "sweep", name="grid-sweep")
+    parent = open_parent(cfg_for(*where).tracking, grid_key(root / "sweep"), name="grid-sweep")
     rng = np.random.default_rng(0)
     rows = [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(6)]
     for method in ("grpo", "grpo_branch"):

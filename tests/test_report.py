@@ -240,8 +240,13 @@ def test_seeds_differ_and_all_methods_share_the_base_model(store):
     assert len({r.data.tags["base_model"] for r in runs.values()}) == 1
     completions = {}
     for name in ("g0", "g1"):
-        artifact = f"eval/trained/trained_{DS}_completions.json"
-        path = client.download_artifacts(store["ids"][name], artifact, str(store["root"] / f"dl_{name}"))
+        run_id = store["ids"][name]
+        (artifact,) = [  # the trained model's completions, named by the step it was evaluated at
+            f.path
+            for f in client.list_artifacts(run_id, "eval/trained")
+            if f.path.startswith(f"eval/trained/trained_{DS}_completions_step")
+        ]
+        path = client.download_artifacts(run_id, artifact, str(store["root"] / f"dl_{name}"))
         completions[name] = Path(path).read_text()
     assert completions["g0"] != completions["g1"]
     assert history(store, "g0", "train/reward") != history(store, "g1", "train/reward")

@@ -138,12 +138,20 @@ def final_states(env: dict[str, str], job_id: str, timeout: float = 60) -> dict[
 
 
 def mlflow_runs(uri: str, experiment: str) -> list:
+    """The experiment's job runs, each nested under the one parent run the sweep opened (sage.grid)."""
     from mlflow import MlflowClient
+
+    from sage.grid import PARENT_KIND
+    from sage.tracking import PARENT_TAG
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"no MLflow experiment {experiment!r} at {uri}"
-    return client.search_runs([exp.experiment_id])
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("sage.kind") == PARENT_KIND]
+    jobs = [r for r in runs if r.info.run_id != parent.info.run_id]
+    assert {r.data.tags.get(PARENT_TAG) for r in jobs} == {parent.info.run_id}
+    return jobs
 
 
 def squeue(env: dict[str, str], job: str) -> str:
