@@ -82,7 +82,8 @@ def test_jobs_are_children_of_one_parent_that_a_rerun_reuses(tmp_path):
     close_parent(tracking, parent, ok=False)
     run = client.get_run(parent)
     assert run.info.status == "FAILED" and "sage.report" in run.data.tags
-    assert open_parent(tracking, grid_key(sweep), name="grid-sweep") == parent  # rerun: the same parent, RUNNING again
+    # rerun: the same parent, RUNNING again
+    assert open_parent(tracking, grid_key(sweep), name="grid-sweep") == parent
     assert client.get_run(parent).info.status == "RUNNING"
     exp = client.get_experiment_by_name("grid").experiment_id
     assert len(client.search_runs([exp], "tags.`sage.kind` = 'grid'")) == 2  # sweep and other, once each

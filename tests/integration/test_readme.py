@@ -62,7 +62,7 @@ ELSEWHERE = {
     "make test": "it is this test suite (CI runs it: .ci/run)",
     "make reproduce-testbed": "the whole testbed study; its parts run in tests/test_report.py",
     "make reproduce-table": "one table of it: tests/integration/test_reproduce.py runs make reproduce-table6",
-    "mlflow ui": "MLflow's own UI: tests/integration/test_mlflow_ui.py serves a store with mlflow server and renders it",
+    "mlflow ui": "MLflow's UI: tests/integration/test_mlflow_ui.py renders a store served by mlflow server",
 }
 
 
