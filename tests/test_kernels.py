@@ -9,6 +9,7 @@ to torch ops with that reason while "kernel" refuses to."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -120,3 +121,27 @@ def test_auto_attention_falls_back_with_the_reason_and_kernel_refuses(monkeypatc
         sampler.sample([[5, 6, 7], [8, 9]], s)
     warnings = [r.getMessage() for r in caplog.records if r.name == "sage.eval.sampling"]
     assert len(warnings) == 1 and "no c++ compiler" in warnings[0]  # once per sampler, with the reason
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """torch's builder waits for as long as its lock file exists; a build killed mid-way leaves that file, and
+    every later evaluation then hung. Under sage's flock the file is stale and goes: the next build (a new
+    process, as after a kill) runs, here to its compile error, instead of waiting."""
+    import subprocess
+    import sys
+
+    broken = tmp_path / "decode_attention.cpp"
+    broken.write_text('#error "sage test: this kernel does not compile"\n')
+    build = (
+        "import sys, sage.eval.kernels as k; from pathlib import Path; k.SOURCE = Path(sys.argv[1]); "
+        "print(k.decode_attention_unavailable())"
+    )
+    env = {**os.environ, "SAGE_CACHE_DIR": str(tmp_path / "cache")}
+    run = [sys.executable, "-c", build, str(broken)]
+    first = subprocess.run(run, env=env, capture_output=True, text=True)
+    assert "does not compile" in first.stdout, first.stderr[-2000:]
+    (build_dir,) = (tmp_path / "cache" / "kernels").glob("sage_decode_attention_*")
+    (build_dir / "lock").touch()  # what a SIGKILLed build leaves
+    second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert "does not compile" in second.stdout, second.stderr[-2000:]
+    assert not (build_dir / "lock").exists()

@@ -3,8 +3,10 @@ with OpenMP, and ninja) into ``<sage cache>/kernels`` and registered as ``torch.
 
 One kernel so far, ``decode_attention`` (``decode_attention.cpp``): the attention of a decode step of
 :class:`sage.eval.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
-version, so an edited kernel or another torch never loads a stale library; torch's builder locks the
-build folder, so concurrent jobs on a cold cache build it once."""
+version, so an edited kernel or another torch never loads a stale library. Concurrent jobs on a cold cache
+build it once: each takes the build folder's flock (``sage.paths.folder_lock``) before torch's builder runs.
+Torch's own lock is a file made with O_EXCL that a killed build leaves behind, after which every later
+build waits on it forever; under the flock no other build is alive, so such a file is stale and removed."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def decode_attention_unavailable() -> str | None:
     else the reason it cannot be (the compiler's error line, else the builder's first line)."""
     from torch.utils.cpp_extension import load
 
-    from sage.paths import cache_dir
+    from sage.paths import cache_dir, folder_lock
 
     flags = compiler_flags()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*flags, torch.__version__]).encode()).hexdigest()
@@ -67,7 +69,11 @@ def decode_attention_unavailable() -> str | None:
     if not any(build_dir.glob("*.so")):
         log.info("building the decode attention kernel into %s (once per machine)", build_dir)
     try:
-        with _ninja_on_path():
+        with folder_lock(build_dir), _ninja_on_path():
+            stale = build_dir / "lock"  # torch.utils.file_baton's lock file, left by a killed build
+            if stale.exists():
+                log.warning("removing the lock file of an interrupted kernel build: %s", stale)
+                stale.unlink()
             load(
                 name=name,
                 sources=[str(SOURCE)],
