@@ -392,8 +392,12 @@ def validate(cfg: DictConfig) -> None:
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
     """Names of the metrics the periodic evaluation logs (sage.train.callbacks.PeriodicEval)."""
+    from sage.metrics import metric_name
+
     return [
-        f"eval/periodic/{name}/pass@{k}" for name in eval_cfg.datasets for k in (1, eval_cfg.every_n_samples)
+        metric_name("periodic", name, f"pass@{k}")
+        for name in eval_cfg.datasets
+        for k in (1, eval_cfg.every_n_samples)
     ]
 
 

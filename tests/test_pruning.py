@@ -19,7 +19,7 @@ from sage.config import ConfigError, register_configs, validate
 from sweeps.optuna import SageOptunaSweeper, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
-METRIC = "eval/periodic/arith_heldout/pass@1"
+METRIC = "pass_at_1/periodic/arith_heldout"
 register_configs()
 
 
@@ -38,8 +38,8 @@ def pruning(metric: str = METRIC) -> str:
 def test_a_pruning_callback_needs_the_periodic_evaluation_and_a_metric_it_logs():
     with pytest.raises(ConfigError, match="callbacks.optuna_pruning reads .* set eval.every_steps"):
         validate(cfg_for(pruning()))
-    with pytest.raises(ConfigError, match=r"not a periodic metric.*eval/periodic/arith_heldout/pass@8"):
-        validate(cfg_for(pruning("trained/arith_heldout/pass@1"), "eval.every_steps=5"))
+    with pytest.raises(ConfigError, match=r"not a periodic metric.*pass_at_8/periodic/arith_heldout"):
+        validate(cfg_for(pruning("pass_at_1/trained/arith_heldout"), "eval.every_steps=5"))
     validate(cfg_for(pruning(), "eval.every_steps=5"))
     validate(cfg_for())  # no callbacks: no requirement
 
@@ -115,7 +115,7 @@ def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
             "hydra/sweeper/pruner=median",
             "hydra.sweeper.pruner.n_startup_trials=1",
             f"hydra.sweeper.prune_on={METRIC}",
-            "hydra.sweeper.objectives=[trained/arith_heldout/pass@1]",
+            "hydra.sweeper.objectives=[pass_at_1/trained/arith_heldout]",
             "hydra.sweeper.directions=[maximize]",
             "hydra.sweeper.study_name=pruning",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 'study.db'}",
@@ -160,5 +160,5 @@ def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
     # the pruned run stopped after its first step and skipped the end-of-run evaluation
     metrics = (tmp_path / "b" / "pruning" / "1" / "metrics.json").read_text()  # <study>/<trial number>
     assert '"pruned_at_step": 1.0' in metrics and '"train/steps": 1.0' in metrics
-    assert "trained/arith_heldout/pass@1" not in metrics
+    assert "pass_at_1/trained/arith_heldout" not in metrics
     assert "trial 1: {'guide.ratio': 0.3} pruned at step 1" in r.stdout + r.stderr
