@@ -261,6 +261,16 @@ class SageOptunaSweeper(Sweeper):
             except Exception as e:
                 msg = " ".join(str(e).split("Config search path")[0].split())  # one line, no search path
                 raise SweepError(f"a trial of this sweep does not compose ({s}): {msg}") from e
+            from sage.config import final_metrics
+
+            written = final_metrics(cfg)
+            unknown = [o for o in self.objectives if o not in written]
+            if unknown:  # else every trial would train and then fail on its missing objective
+                shown = ", ".join(n for n in written if not n.split("/")[0].endswith("_std")) or "none"
+                raise SweepError(
+                    f"hydra.sweeper.objectives: {', '.join(unknown)} is not a metric a trial writes ({s}); "
+                    f"its metrics.json holds {shown} (and their _std)"
+                )
             if self.prune_on is not None:  # the trials must log the metric they will report
                 from sage.config import ConfigError, check_callbacks
 
