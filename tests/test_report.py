@@ -389,7 +389,7 @@ def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
     code, err, _ = report_main(store, capsys, "--experiment", "no_eval")
     assert code == 2
     assert err.strip() == (
-        "sage-report: none of the 1 runs logged eval/<base|trained>/<dataset>/pass_at_<k> metrics "
+        "sage-report: none of the 1 runs logged pass_at_<k>/<base|trained>/<dataset> metrics "
         "(trained with eval.at_end=false?): nothing to tabulate"
     )
     ids = ",".join([store["ids"]["g0"], store["ids"]["g1"], run.info.run_id])
