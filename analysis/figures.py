@@ -89,7 +89,7 @@ def reward_vs_accuracy(
             ax.text(
                 0.5,
                 0.5,
-                "no eval/periodic metrics logged\n(train with eval.every_steps=N)",
+                "no pass_at_1/periodic/<dataset> logged\n(train with eval.every_steps=N)",
                 ha="center",
                 va="center",
                 transform=ax.transAxes,

@@ -50,13 +50,28 @@ DIVERGENCE_SUFFIX = {"reverse_kl": "", "none": " w/o KL", "forward_kl": " + forw
 # that change no number a run reports, such as trl.save_steps; any other difference splits a row.
 SEED_PARAMS = ("seed", "method")
 
-EVAL_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_(?P<k>\d+)(?P<std>_std)?$")
-CURVE_KEY = re.compile(r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/pass_at_k_curve$")
-PERIODIC_KEY = re.compile(r"^eval/periodic/(?P<dataset>.+)/pass_at_1$")
+
+class Key:
+    """A logged metric's name (sage.metrics.metric_name: ``<figure>/<label>/<dataset>``), read with its
+    parts; stores written before that naming (``eval/<label>/<dataset>/<figure>``) are read too, so no
+    recorded run drops out of a report."""
+
+    def __init__(self, figure: str, label: str = r"(?P<label>base|trained)") -> None:
+        dataset = r"(?P<dataset>[^/]+)"
+        self.patterns = (
+            re.compile(f"^{figure}/{label}/{dataset}$"),
+            re.compile(f"^eval/{label}/{dataset}/{figure}$"),  # the earlier layout
+        )
+
+    def match(self, key: str) -> re.Match | None:
+        return next((m for p in self.patterns if (m := p.match(key))), None)
+
+
+EVAL_KEY = Key(r"pass_at_(?P<k>\d+)(?P<std>_std)?")
+CURVE_KEY = Key("pass_at_k_curve")
+PERIODIC_KEY = Key("pass_at_1", label="periodic")
 # logged by sage.eval.analyses beside each evaluation
-ANALYSIS_KEY = re.compile(
-    r"^eval/(?P<label>base|trained)/(?P<dataset>.+)/(?P<kind>pattern|strategy)/(?P<name>.+)$"
-)
+ANALYSIS_KEY = Key(r"(?P<kind>pattern|strategy)/(?P<name>[^/]+)")
 
 
 def open_store(uri: str | None):
@@ -266,7 +281,7 @@ def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
-    """Held-out pass@1 during training (``eval/periodic/<dataset>/pass_at_1``): run_id, dataset, step,
+    """Held-out pass@1 during training (``pass_at_1/periodic/<dataset>``): run_id, dataset, step,
     value."""
     parts = []
     for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
@@ -279,7 +294,7 @@ def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def analysis_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """What the evaluation's analysis step logged (``eval/<label>/<dataset>/<pattern|strategy>/<name>``):
+    """What the evaluation's analysis step logged (``<pattern|strategy>/<name>/<label>/<dataset>``):
     run_id, label, dataset, kind, name, value."""
     rows = [
         {"run_id": run_id, **m.groupdict(), "value": value}

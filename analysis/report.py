@@ -28,6 +28,7 @@ import pandas as pd
 from analysis import bootstrap, figures, load, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
+from sage.metrics import metric_name
 from sage.tracking import probe_limits, redact, resolve_uri, store_failure
 
 SOURCES = ["row", "seed", "run_id", "label"]
@@ -116,7 +117,7 @@ def sources(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         name = rows["base_model"].map(lambda m: "base" if len(models) == 1 else f"base [{m}]")
         base = rows.assign(row=name, label="base")[SOURCES]
         notes.append(
-            "base row: the eval/base/* metrics of the trained runs (no method=base run), one run per seed; "
+            "base row: the */base/* metrics of the trained runs (no method=base run), one run per seed; "
             "they evaluate the same start model with the same eval seeds, so they should agree exactly"
         )
     return pd.concat([base, trained], ignore_index=True), notes
@@ -128,7 +129,7 @@ def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
     sub = meas[meas["run_id"].isin(base_runs) & meas["row"].str.startswith("base")]
     spread = sub.groupby(["row", "dataset", "k"])["value"].agg(lambda v: v.max() - v.min())
     return [
-        f"{row}: eval/base/{ds}/pass_at_{k} differs between runs by {d:.3g} (different eval settings?)"
+        f"{row}: pass_at_{k}/base/{ds} differs between runs by {d:.3g} (different eval settings?)"
         for (row, ds, k), d in spread.items()
         if d > 1e-12
     ]
@@ -147,7 +148,7 @@ def missing_eval_notes(src: pd.DataFrame, evals: pd.DataFrame, ks: dict[str, int
     notes = []
     for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
         lacking = [
-            f"eval/{label}/{ds}/pass_at_{k}"
+            metric_name(label, ds, f"pass@{k}")
             for ds, kk in ks.items()
             for k in sorted({1, kk})
             if (run_id, label, ds, k) not in have
@@ -402,7 +403,7 @@ def make_report(
     evals = load.eval_frame(runs)
     if evals.empty:
         raise ReportError(
-            f"none of the {len(runs)} runs logged eval/<base|trained>/<dataset>/pass_at_<k> metrics "
+            f"none of the {len(runs)} runs logged pass_at_<k>/<base|trained>/<dataset> metrics "
             "(trained with eval.at_end=false?): nothing to tabulate"
         )
     src, src_notes = sources(runs)
@@ -490,7 +491,7 @@ def make_report(
         frame = frames[kind]
         if frame.empty:
             notes.append(
-                f"no {name} table: no run logged eval/<label>/<dataset>/{kind}/<name> (sage.eval.analyses)"
+                f"no {name} table: no run logged {kind}/<name>/<label>/<dataset> (sage.eval.analyses)"
             )
             continue
         t = tables.seed_table(
@@ -515,7 +516,7 @@ def make_report(
 
     curves = src.merge(load.curve_frame(client, runs), on=["run_id", "label"])
     if curves.empty:
-        notes.append("no pass@k curve figure: no run logged eval/<label>/<dataset>/pass_at_k_curve")
+        notes.append("no pass@k curve figure: no run logged pass_at_k_curve/<label>/<dataset>")
     else:
         rows = sorted(curves["row"].unique(), key=tables.row_key)
         bands = curve_bands(pv, rows, datasets, draws, rng_seed) if pv is not None else None
@@ -535,7 +536,7 @@ def make_report(
     periodic = tsrc.merge(load.periodic_frame(client, runs), on="run_id")
     if periodic.empty:
         notes.append(
-            "Figure 2: no run logged eval/periodic/<dataset>/pass_at_1 (train with eval.every_steps=N): "
+            "Figure 2: no run logged pass_at_1/periodic/<dataset> (train with eval.every_steps=N): "
             "only the training reward is shown"
         )
     if reward.empty:

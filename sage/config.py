@@ -392,9 +392,27 @@ def validate(cfg: DictConfig) -> None:
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:
     """Names of the metrics the periodic evaluation logs (sage.train.callbacks.PeriodicEval)."""
+    from sage.metrics import metric_name
+
     return [
-        f"eval/periodic/{name}/pass@{k}" for name in eval_cfg.datasets for k in (1, eval_cfg.every_n_samples)
+        metric_name("periodic", name, f"pass@{k}")
+        for name in eval_cfg.datasets
+        for k in (1, eval_cfg.every_n_samples)
     ]
+
+
+def final_metrics(cfg: DictConfig) -> list[str]:
+    """Names of the figures a sage-train run writes to its metrics.json when it ends (sage.train.main): pass@k
+    at eval.ks and its spread over evaluation seeds, of the start model (base) and, when the run trains, of
+    the trained model; none with eval.at_end=false."""
+    from sage.metrics import metric_name
+
+    if not cfg.eval.at_end:
+        return []
+    ks = cfg.eval.ks if cfg.eval.ks is not None else default_ks(cfg.eval.n_samples)
+    labels = ["base", "trained"] if cfg.trl.max_steps > 0 else ["base"]
+    figures = [f"pass@{k}{spread}" for k in ks for spread in ("", "_std")]
+    return [metric_name(label, ds, f) for label in labels for ds in cfg.eval.datasets for f in figures]
 
 
 def resume_mode(value: bool | str) -> Resume:

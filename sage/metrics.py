@@ -12,6 +12,16 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+
+def metric_name(label: str, dataset: str, figure: str) -> str:
+    """The one name of an evaluation figure in MLflow, ``metrics.json``, sage-eval's run and the sweeper's
+    objectives: ``<figure>/<label>/<dataset>``, the part that tells two charts apart first (MLflow's UI cuts
+    long names from the right), with '@' spelt '_at_' (MLflow allows no '@' in a name). pass@1 of the
+    trained model on arith_heldout: ``pass_at_1/trained/arith_heldout``; label ``periodic`` for the
+    evaluation during training."""
+    return f"{figure.replace('@', '_at_')}/{label}/{dataset}"
+
+
 # Elements of the (values x n) term matrix evaluated at once: bounds memory for large broadcasts.
 _CHUNK_ELEMENTS = 1 << 22
 

@@ -34,8 +34,8 @@ URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's UI nests a run under the run this tag names
 NOTE_TAG = "mlflow.note.content"  # the run's Description in MLflow's UI
 RUN_NOTE = (
-    "Metrics eval/<label>/<dataset>/pass_at_<k> are logged at the optimiser step of the evaluated model "
-    "(0 for the base model). In the series eval/<label>/<dataset>/pass_at_k_curve the step is k, not a "
+    "Metrics pass_at_<k>/<label>/<dataset> are logged at the optimiser step of the evaluated model "
+    "(0 for the base model). In the series pass_at_k_curve/<label>/<dataset> the step is k, not a "
     "training step: the chart is pass@k against k. Artifacts under eval/ hold the pass@k figure and table "
     "and the completions of the first evaluation seed as a table."
 )
@@ -201,17 +201,17 @@ class Tracker:
         problems (None: all) as an MLflow table with prompt, gold, completion, extracted answer and correct
         (prompt and gold need ``rows``, the dataset's rows). A point the run already holds (same key, step
         and value: a resumed run evaluating the same model again) is not logged twice."""
-        from sage.metrics import pass_at_k_curve
+        from sage.metrics import metric_name, pass_at_k_curve
 
-        prefix = f"eval/{label}/{dataset}"
         self._eval_steps[label] = step
         summary = result["summary"]
         if len(result["correct"]) == 1:
             summary = {k: v for k, v in summary.items() if not k.endswith("_std")}
-        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in summary.items()}, step=step))
+        self._log_new(_metrics({metric_name(label, dataset, k): v for k, v in summary.items()}, step=step))
         curves = [pass_at_k_curve(c) for c in result["correct"]]
         mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
-        self._log_new([_metric(f"{prefix}/pass_at_k_curve", v, k) for k, v in mean_curve.items()])
+        curve_name = metric_name(label, dataset, "pass@k_curve")
+        self._log_new([_metric(curve_name, v, k) for k, v in mean_curve.items()])
         self._curves.setdefault(dataset, {})[label] = curves
         import tempfile
 
@@ -238,16 +238,17 @@ class Tracker:
     def log_analyses(
         self, label: str, dataset: str, values: dict[str, float], perplexities: list[float] | None
     ) -> None:
-        """What the samples say (``sage.eval.analyses``): each value as ``eval/<label>/<dataset>/<name>``
+        """What the samples say (``sage.eval.analyses``): each value as ``<name>/<label>/<dataset>``
         (a NaN, nothing to measure, is not logged) at the step of the label's ``log_eval`` (0 if none) and
         the per-sample perplexities under the base model as the artifact
         ``eval/<label>/<label>_<dataset>_perplexity.json`` with their median as a metric."""
-        prefix = f"eval/{label}/{dataset}"
+        from sage.metrics import metric_name
+
         values = dict(values)
         if perplexities:
             values["perplexity_median"] = float(np.median(perplexities))
         step = self._eval_steps.get(label, 0)
-        self._log_new(_metrics({f"{prefix}/{k}": v for k, v in values.items()}, step))
+        self._log_new(_metrics({metric_name(label, dataset, k): v for k, v in values.items()}, step))
         if perplexities is not None:
             import tempfile
 

@@ -86,8 +86,8 @@ class OptunaSweeperConf:
     n_trials: int = field(default=24, metadata={"help": "finished trials wanted, those already stored count"})
     n_jobs: int = field(default=4, metadata={"help": "trials per batch handed to the launcher"})
     objectives: list[str] = field(
-        default_factory=lambda: ["trained/arith_heldout/pass@1", "trained/arith_heldout/pass@64"],
-        metadata={"help": "names in the metrics dict the task function returns"},
+        default_factory=lambda: ["pass_at_1/trained/arith_heldout", "pass_at_64/trained/arith_heldout"],
+        metadata={"help": "names in the run's metrics.json, as MLflow has them (sage.metrics.metric_name)"},
     )
     weights: list[float] | None = field(
         default=None,
@@ -115,7 +115,7 @@ class OptunaSweeperConf:
         default=None,
         metadata={
             "help": "periodic metric each trial reports to the pruner every eval.every_steps, e.g. "
-            "eval/periodic/arith_heldout/pass@1 (single objective only); None: no pruning"
+            "pass_at_1/periodic/arith_heldout (single objective only); None: no pruning"
         },
     )
     max_retries: int = field(default=1, metadata={"help": "re-runs of a failed trial's params"})

@@ -21,7 +21,7 @@ How it runs a study:
 - Objectives: each name in ``objectives`` is read from the metrics dict the task function returns; with
   ``weights`` they are combined into one value (sum of weight * metric). With several objectives the
   result is the Pareto front, printed and written to ``<sweep dir>/optimization_results.yaml``.
-- Pruning: with a pruner and ``prune_on`` (a periodic metric, e.g. ``eval/periodic/arith_heldout/pass@1``,
+- Pruning: with a pruner and ``prune_on`` (a periodic metric, e.g. ``pass_at_1/periodic/arith_heldout``,
   with ``eval.every_steps`` set), every trial gets ``+callbacks.optuna_pruning`` (sage.train.callbacks.
   OptunaPruning with the study, the trial and this sweeper's pruner node): it reports that metric to the
   study at each periodic evaluation and stops the run when the pruner says so; the sweeper records the
@@ -169,7 +169,7 @@ class SageOptunaSweeper(Sweeper):
         if prunes and self.prune_on is None:
             raise SweepError(
                 "a pruner needs intermediate values: set hydra.sweeper.prune_on to a periodic metric "
-                "(e.g. eval/periodic/arith_heldout/pass@1) and eval.every_steps, "
+                "(e.g. pass_at_1/periodic/arith_heldout) and eval.every_steps, "
                 "or use hydra/sweeper/pruner=nop"
             )
         if self.prune_on is not None and n_values != 1:
@@ -261,6 +261,16 @@ class SageOptunaSweeper(Sweeper):
             except Exception as e:
                 msg = " ".join(str(e).split("Config search path")[0].split())  # one line, no search path
                 raise SweepError(f"a trial of this sweep does not compose ({s}): {msg}") from e
+            from sage.config import final_metrics
+
+            written = final_metrics(cfg)
+            unknown = [o for o in self.objectives if o not in written]
+            if unknown:  # else every trial would train and then fail on its missing objective
+                shown = ", ".join(n for n in written if not n.split("/")[0].endswith("_std")) or "none"
+                raise SweepError(
+                    f"hydra.sweeper.objectives: {', '.join(unknown)} is not a metric a trial writes ({s}); "
+                    f"its metrics.json holds {shown} (and their _std)"
+                )
             if self.prune_on is not None:  # the trials must log the metric they will report
                 from sage.config import ConfigError, check_callbacks
 

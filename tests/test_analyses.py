@@ -252,4 +252,4 @@ def test_the_base_model_is_loaded_in_model_dtype_and_a_rerun_scores_only_what_is
     assert len(loads) == 2 and scored == ["a", "b"]
     assert analyses.logged_perplexities(run, "base") == {"a", "b"}
     metrics = run.client.get_run(run.run_id).data.metrics
-    assert {"eval/base/a/perplexity_median", "eval/base/b/perplexity_median"} <= set(metrics)
+    assert {"perplexity_median/base/a", "perplexity_median/base/b"} <= set(metrics)

@@ -22,7 +22,7 @@ def test_per_problem_pass_at_k_agrees_with_sage_metrics():
     ks = [1, 2, 5, 10]
     per_problem = bootstrap.per_problem_pass_at_k(mats, ks)
     assert per_problem.shape == (4, 7)
-    summary = pass_at_k_over_seeds(mats, ks)  # what log_eval logs as eval/<label>/<ds>/pass_at_<k>
+    summary = pass_at_k_over_seeds(mats, ks)  # what log_eval logs as pass_at_<k>/<label>/<ds>
     for i, k in enumerate(ks):
         assert per_problem[i].mean() == pytest.approx(summary[f"pass@{k}"], abs=1e-12)
         for p in range(7):
@@ -238,9 +238,9 @@ def synth(tmp_path_factory):
     first = min(client.get_run(r).info.start_time for r in ids.values())
     run = client.create_run(exp, start_time=first - 1000, tags=tags)  # older: not the base row's source
     for k in KS:
-        client.log_metric(run.info.run_id, f"eval/trained/{DS}/pass_at_{k}", 0.5)
+        client.log_metric(run.info.run_id, f"pass_at_{k}/trained/{DS}", 0.5)
     for k in range(1, SAMPLES + 1):
-        client.log_metric(run.info.run_id, f"eval/trained/{DS}/pass_at_k_curve", 0.5, step=k)
+        client.log_metric(run.info.run_id, f"pass_at_k_curve/trained/{DS}", 0.5, step=k)
     client.set_terminated(run.info.run_id)
     return {"uri": uri, "client": client, "root": root, "ids": ids}
 
@@ -275,7 +275,7 @@ def test_report_intervals_from_the_logged_matrices(synth):
     ]
     # the point estimate is the difference of the logged pass@k means, for every k
     for k in KS:
-        key = f"eval/trained/{DS}/pass_at_{k}"
+        key = f"pass_at_{k}/trained/{DS}"
         mean = {m: np.mean([metric(synth, m, s, key) for s in SYNTH[m]]) for m in ("grpo", "grpo_nokl")}
         cell = vs_grpo.cell("GRPO w/o KL", f"{DS} pass@{k}")
         assert cell.interval.diff == pytest.approx(mean["grpo_nokl"] - mean["grpo"], abs=1e-12)
@@ -283,9 +283,9 @@ def test_report_intervals_from_the_logged_matrices(synth):
         assert cell.interval.paired_by_seed and (cell.n, cell.ref_n, cell.asked) == (3, 3, 3)
     # losing the hard problems: pass@16 falls against GRPO and against the start model, beyond the noise
     nokl = vs_base.cell("GRPO w/o KL", f"{DS} pass@16")
-    base16 = metric(synth, "grpo", 1, f"eval/base/{DS}/pass_at_16")
+    base16 = metric(synth, "grpo", 1, f"pass_at_16/base/{DS}")
     assert nokl.interval.diff == pytest.approx(
-        np.mean([metric(synth, "grpo_nokl", s, f"eval/trained/{DS}/pass_at_16") for s in (1, 2, 3)]) - base16
+        np.mean([metric(synth, "grpo_nokl", s, f"pass_at_16/trained/{DS}") for s in (1, 2, 3)]) - base16
     )
     assert nokl.interval.hi < 0 and nokl.interval.marked and nokl.text().endswith(" *")
     assert nokl.interval.paired_by_seed  # the base row comes from the runs of seeds 1, 2, 3

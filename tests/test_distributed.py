@@ -284,7 +284,7 @@ def test_periodic_evaluation_of_two_processes_is_logged_once_with_the_merged_num
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
-    history = client.get_metric_history(run.info.run_id, "eval/periodic/arith_heldout/pass_at_1")
+    history = client.get_metric_history(run.info.run_id, "pass_at_1/periodic/arith_heldout")
     assert [m.step for m in history] == [1, 2]  # once per evaluation step
     records = json.loads((out / "periodic_eval.json").read_text())
     assert [(rec["step"], rec["problems"]) for rec in records] == [(1, 200), (2, 200)]

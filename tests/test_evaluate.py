@@ -26,6 +26,7 @@ from sage.data.verifiers import grade
 from sage.eval.checkpoint import Checkpoint
 from sage.eval.evaluate import evaluate_model
 from sage.eval.sampling import Samples
+from sage.metrics import metric_name
 from sage.testbed.tokenizer import build_tokenizer
 
 ROWS = {
@@ -632,10 +633,8 @@ def test_sage_eval_gives_the_trainers_numbers(tmp_path):
     summary = json.loads((tmp_path / "again" / "results.json").read_text())["datasets"]["arith_heldout"][
         "summary"
     ]
-    assert summary == {
-        k.removeprefix("trained/arith_heldout/"): v
-        for k, v in trained.items()
-        if k.startswith("trained/arith")
+    assert {metric_name("trained", "arith_heldout", k): v for k, v in summary.items()} == {
+        k: v for k, v in trained.items() if k.endswith("/trained/arith_heldout")
     }
     cells = [
         next((d / "arith_heldout").glob("*_seed0")) for d in (out / "eval" / "trained", tmp_path / "again")
@@ -653,8 +652,8 @@ def test_sage_eval_gives_the_trainers_numbers(tmp_path):
     client = MlflowClient()
     run = client.get_run(mlflow_run_of(again))
     assert run.data.tags["sage.kind"] == "eval" and run.info.status == "FINISHED"
-    assert run.data.metrics["eval/final/arith_heldout/pass_at_1"] == pytest.approx(summary["pass@1"])
-    assert len(client.get_metric_history(run.info.run_id, "eval/final/arith_heldout/pass_at_1")) == 1
+    assert run.data.metrics["pass_at_1/final/arith_heldout"] == pytest.approx(summary["pass@1"])
+    assert len(client.get_metric_history(run.info.run_id, "pass_at_1/final/arith_heldout")) == 1
 
 
 def mlflow_run_of(r: subprocess.CompletedProcess) -> str:
@@ -670,11 +669,8 @@ def test_sage_eval_with_other_settings_is_another_mlflow_run(tmp_path):
     continues its run without logging anything twice."""
     from mlflow.tracking import MlflowClient
 
-    from sage.tracking import metric_key
-
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     results = tmp_path / "res"
-    prefix = "eval/base/arith_heldout/"
 
     def call(n_samples: int) -> tuple[str, dict]:
         r = sage_eval(
@@ -685,7 +681,7 @@ def test_sage_eval_with_other_settings_is_another_mlflow_run(tmp_path):
 
     def logged(run_id: str) -> dict[str, float]:
         metrics = MlflowClient(store).get_run(run_id).data.metrics
-        return {k: v for k, v in metrics.items() if re.fullmatch(rf"{prefix}pass_at_\d+(_std)?", k)}
+        return {k: v for k, v in metrics.items() if re.fullmatch(r"pass_at_\d+(_std)?/base/arith_heldout", k)}
 
     two, summary_two = call(2)
     four, summary_four = call(4)
@@ -694,12 +690,12 @@ def test_sage_eval_with_other_settings_is_another_mlflow_run(tmp_path):
     for run_id, summary in ((two, summary_two), (four, summary_four)):
         # the testbed evaluates one seed: no _std metric is logged (a spread over one seed)
         means = {k: v for k, v in summary.items() if not k.endswith("_std")}
-        assert logged(run_id) == {metric_key(prefix + k): v for k, v in means.items()}
+        assert logged(run_id) == {metric_name("base", "arith_heldout", k): v for k, v in means.items()}
 
     again, summary_again = call(2)
     assert again == two and summary_again == summary_two
     client = MlflowClient(store)
-    assert len(client.get_metric_history(two, metric_key(prefix + "pass@1"))) == 1
+    assert len(client.get_metric_history(two, "pass_at_1/base/arith_heldout")) == 1
     runs = client.search_runs(
         [client.get_experiment_by_name("sage").experiment_id], f"tags.output_dir = '{results}'"
     )

@@ -133,8 +133,8 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     metrics = run.data.metrics
-    assert "eval/base/ds/pass_at_1" in metrics and "eval/base/ds/pass_at_1_std" not in metrics
-    assert metrics["eval/trained/ds/pass_at_1_std"] == 0.1
+    assert "pass_at_1/base/ds" in metrics and "pass_at_1_std/base/ds" not in metrics
+    assert metrics["pass_at_1_std/trained/ds"] == 0.1
     assert "step is k" in run.data.tags["mlflow.note.content"]
     files = {f.path for f in client.list_artifacts(run_id, "eval")}
     assert {"eval/passk_ds.png", "eval/passk_ds.csv"} <= files

@@ -53,7 +53,7 @@ def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
     prompt_tokens = int(batch.split("x (")[1].split(" prompt")[0])
     assert prompt_tokens > 100, batch
     metrics = json.loads((out / "metrics.json").read_text())
-    assert {"base/arith_heldout/pass@1", "trained/arith_heldout/pass@4"} <= set(metrics)
+    assert {"pass_at_1/base/arith_heldout", "pass_at_4/trained/arith_heldout"} <= set(metrics)
     assert "| trained | arith_heldout |" in r.stdout
     cells = json.loads((out / "eval" / "trained" / "results.json").read_text())["datasets"]
     assert cells["arith_heldout"]["settings"]["backend"] == "vllm"  # the adapter went through vLLM

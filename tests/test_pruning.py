@@ -19,7 +19,7 @@ from sage.config import ConfigError, register_configs, validate
 from sweeps.optuna import SageOptunaSweeper, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
-METRIC = "eval/periodic/arith_heldout/pass@1"
+METRIC = "pass_at_1/periodic/arith_heldout"
 register_configs()
 
 
@@ -38,8 +38,8 @@ def pruning(metric: str = METRIC) -> str:
 def test_a_pruning_callback_needs_the_periodic_evaluation_and_a_metric_it_logs():
     with pytest.raises(ConfigError, match="callbacks.optuna_pruning reads .* set eval.every_steps"):
         validate(cfg_for(pruning()))
-    with pytest.raises(ConfigError, match=r"not a periodic metric.*eval/periodic/arith_heldout/pass@8"):
-        validate(cfg_for(pruning("trained/arith_heldout/pass@1"), "eval.every_steps=5"))
+    with pytest.raises(ConfigError, match=r"not a periodic metric.*pass_at_8/periodic/arith_heldout"):
+        validate(cfg_for(pruning("pass_at_1/trained/arith_heldout"), "eval.every_steps=5"))
     validate(cfg_for(pruning(), "eval.every_steps=5"))
     validate(cfg_for())  # no callbacks: no requirement
 
@@ -102,7 +102,7 @@ def test_the_trial_overrides_carry_the_pruning_callback_with_the_sweepers_pruner
     assert not any("callbacks" in o for o in s.trial_overrides([], {"guide.ratio": 0.3}, 1))
 
 
-def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def study(tmp_path: Path, *args: str, objective: str = "pass_at_1/trained/arith_heldout"):
     """``sage-train -m`` with the median pruner (one startup trial) on a shrunken testbed run that evaluates
     held-out pass@1 after every one of its 3 steps."""
     return subprocess.run(
@@ -115,7 +115,7 @@ def study(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
             "hydra/sweeper/pruner=median",
             "hydra.sweeper.pruner.n_startup_trials=1",
             f"hydra.sweeper.prune_on={METRIC}",
-            "hydra.sweeper.objectives=[trained/arith_heldout/pass@1]",
+            f"hydra.sweeper.objectives=[{objective}]",
             "hydra.sweeper.directions=[maximize]",
             "hydra.sweeper.study_name=pruning",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 'study.db'}",
@@ -160,5 +160,25 @@ def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
     # the pruned run stopped after its first step and skipped the end-of-run evaluation
     metrics = (tmp_path / "b" / "pruning" / "1" / "metrics.json").read_text()  # <study>/<trial number>
     assert '"pruned_at_step": 1.0' in metrics and '"train/steps": 1.0' in metrics
-    assert "trained/arith_heldout/pass@1" not in metrics
+    assert "pass_at_1/trained/arith_heldout" not in metrics
     assert "trial 1: {'guide.ratio': 0.3} pruned at step 1" in r.stdout + r.stderr
+
+
+def test_an_objective_no_trial_writes_is_one_line_before_any_trial(tmp_path):
+    """An objective in another spelling (the earlier trained/arith_heldout/pass@1) or at a k the run does not
+    evaluate would let every trial train and then fail: the sweeper refuses it while composing."""
+    for objective, named in (
+        ("trained/arith_heldout/pass@1", "trained/arith_heldout/pass@1"),
+        ("pass_at_64/trained/arith_heldout", "pass_at_64/trained/arith_heldout"),  # eval.ks=[1,4]
+    ):
+        r = study(
+            tmp_path,
+            "hydra.sweeper.n_trials=1",
+            f"hydra.sweep.dir={tmp_path / 'never'}",
+            objective=objective,
+        )
+        assert r.returncode != 0
+        (line,) = [ln for ln in r.stderr.splitlines() if "hydra.sweeper.objectives:" in ln]
+        assert f"{named} is not a metric a trial writes" in line
+        assert "pass_at_1/trained/arith_heldout, pass_at_4/trained/arith_heldout" in line
+        assert not (tmp_path / "never" / "pruning").exists()  # no trial ran

@@ -19,6 +19,47 @@ from analysis.tables import Stat, stat
 
 
 # ------------------------------------------------------------------ pure functions
+def test_metric_names_are_read_in_the_current_and_the_earlier_layout():
+    """sage-report reads what sage.metrics.metric_name logs, and stores logged before that naming
+    (eval/<label>/<dataset>/<figure>): no recorded run drops out of a report."""
+    from sage.metrics import metric_name
+
+    now = {
+        metric_name("trained", "math500", "pass@4"): 0.5,
+        metric_name("base", "math500", "pass@4_std"): 0.1,
+        metric_name("trained", "math500", "strategy/case analysis"): 0.25,
+        metric_name("periodic", "math500", "pass@1"): 0.3,  # during training: not a final evaluation
+    }
+    earlier = {
+        "eval/trained/aime24/pass_at_16": 0.75,
+        "eval/base/aime24/pattern/proof by contradiction": 0.5,
+        "eval/trained/aime24/perplexity_median": 1.5,  # neither a pass@k nor an analysis figure
+    }
+    runs = pd.DataFrame({"run_id": ["a", "b"], "metrics": [now, earlier]})
+    evals = load.eval_frame(runs).to_dict("records")
+
+    def given(x):  # pandas holds a missing value as NaN
+        return None if x is None or x != x else x
+
+    by_key = {
+        (e["run_id"], e["label"], e["dataset"], e["k"]): (given(e["value"]), given(e["std"])) for e in evals
+    }
+    assert by_key == {
+        ("a", "trained", "math500", 4): (0.5, None),
+        ("a", "base", "math500", 4): (None, 0.1),
+        ("b", "trained", "aime24", 16): (0.75, None),
+    }
+    analyses = load.analysis_frame(runs)[["run_id", "label", "dataset", "kind", "name"]]
+    assert sorted(map(tuple, analyses.values.tolist())) == [
+        ("a", "trained", "math500", "strategy", "case analysis"),
+        ("b", "base", "aime24", "pattern", "proof by contradiction"),
+    ]
+    for key, dataset in (("pass_at_k_curve/base/x", "x"), ("eval/trained/y/pass_at_k_curve", "y")):
+        assert load.CURVE_KEY.match(key)["dataset"] == dataset
+    for key in (metric_name("periodic", "z", "pass@1"), "eval/periodic/z/pass_at_1"):
+        assert load.PERIODIC_KEY.match(key)["dataset"] == "z"
+
+
 def test_stat_cells_say_how_many_seeds():
     assert stat([0.4, 0.5], asked=2).text() == "0.450 ± 0.071"  # std ddof=1: sqrt(0.005) = 0.0707
     assert stat([0.4], asked=1).text() == "0.400 ± —"  # one seed: no std, not 0
@@ -84,7 +125,7 @@ def test_curve_of_an_extended_run_is_its_latest(tmp_path):
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = client.create_run(client.create_experiment("e")).info.run_id
-    key = "eval/trained/arith_heldout/pass_at_k_curve"
+    key = "pass_at_k_curve/trained/arith_heldout"
     for values in ([0.2, 0.5], [0.3, 0.6]):  # the run's first model, then the extended one
         now = int(time.time() * 1000)
         for k, v in zip([1, 2], values, strict=True):
@@ -259,15 +300,15 @@ def test_ablation_table_equals_the_logged_metrics(store, built):
     assert t.columns == [f"{DS} pass@1", f"{DS} pass@4"]  # default k: the largest logged
     for row, runs in ((GRPO, ["g0", "g1"]), (BRANCH, ["b0", "b1"])):
         for k in (1, 4):
-            values = [logged(store, r, f"eval/trained/{DS}/pass_at_{k}") for r in runs]
+            values = [logged(store, r, f"pass_at_{k}/trained/{DS}") for r in runs]
             cell = t.cell(row, f"{DS} pass@{k}")
             assert (cell.mean, cell.std, cell.n, cell.asked) == pytest.approx(
                 (np.mean(values), np.std(values, ddof=1), 2, 2)
             )
     cell = t.cell(BRANCH5, f"{DS} pass@1")
-    assert cell.mean == pytest.approx(logged(store, "r0", f"eval/trained/{DS}/pass_at_1"))
+    assert cell.mean == pytest.approx(logged(store, "r0", f"pass_at_1/trained/{DS}"))
     assert cell.text().endswith("± — (1/2 seeds)")
-    base = [logged(store, r, f"eval/base/{DS}/pass_at_1") for r in RUNS]
+    base = [logged(store, r, f"pass_at_1/base/{DS}") for r in RUNS]
     assert len(set(base)) == 1 and t.cell("base", f"{DS} pass@1").mean == pytest.approx(base[0])
     csv = (store["root"] / "report" / "tables" / "ablation.csv").read_text()
     assert f"{GRPO},{DS} pass@1,{t.cell(GRPO, f'{DS} pass@1').mean!r}," in csv
@@ -279,9 +320,9 @@ def test_grid_grad_norm_patterns_strategies(store, built):
     grid = built.tables[f"grid_grpo___branch_{DS}"]
     assert [r for r, _ in grid.rows] == ["threshold=0.5"]
     assert grid.cell("threshold=0.5", "ratio=0.5 pass@4").mean == pytest.approx(
-        logged(store, "r0", f"eval/trained/{DS}/pass_at_4")
+        logged(store, "r0", f"pass_at_4/trained/{DS}")
     )
-    pair = [logged(store, r, f"eval/trained/{DS}/pass_at_1") for r in ("b0", "b1")]
+    pair = [logged(store, r, f"pass_at_1/trained/{DS}") for r in ("b0", "b1")]
     assert grid.cell("threshold=0.5", "ratio=0.3 pass@1").mean == pytest.approx(np.mean(pair))
 
     grad = built.tables["grad_norm_thirds"]
@@ -319,7 +360,7 @@ def test_figures_perplexity_and_report_file(store, built):
         ).read_text()
     )
     assert len(logged_ppl) == 6 * 4 and min(logged_ppl) >= 1.0  # eval.limit x eval.n_samples, none empty
-    assert logged(store, "g0", f"eval/trained/{DS}/perplexity_median") == pytest.approx(np.median(logged_ppl))
+    assert logged(store, "g0", f"perplexity_median/trained/{DS}") == pytest.approx(np.median(logged_ppl))
 
 
 @pytest.mark.slow
@@ -348,17 +389,14 @@ def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
     code, err, _ = report_main(store, capsys, "--experiment", "no_eval")
     assert code == 2
     assert err.strip() == (
-        "sage-report: none of the 1 runs logged eval/<base|trained>/<dataset>/pass_at_<k> metrics "
+        "sage-report: none of the 1 runs logged pass_at_<k>/<base|trained>/<dataset> metrics "
         "(trained with eval.at_end=false?): nothing to tabulate"
     )
     ids = ",".join([store["ids"]["g0"], store["ids"]["g1"], run.info.run_id])
     code, err, out = report_main(store, capsys, "--run-ids", ids, "--perplexity-max", "0")
     assert code == 0, err
     md = out.read_text()
-    assert (
-        f"{GRPO} seed 2 (run {run.info.run_id}) lacks "
-        f"eval/trained/{DS}/pass_at_1, eval/trained/{DS}/pass_at_4" in md
-    )
+    assert f"{GRPO} seed 2 (run {run.info.run_id}) lacks pass_at_1/trained/{DS}, pass_at_4/trained/{DS}" in md
     assert next(line for line in md.splitlines() if line.startswith(f"| {GRPO} |")).count("(2/3 seeds)") == 2
 
 
@@ -397,7 +435,7 @@ def test_intervals_from_the_real_runs_correctness_matrices(store, built):
     assert vs_grpo.columns == vs_base.columns == [f"{DS} pass@1", f"{DS} pass@4"]
 
     def mean(names, label, k):
-        return np.mean([logged(store, r, f"eval/{label}/{DS}/pass_at_{k}") for r in names])
+        return np.mean([logged(store, r, f"pass_at_{k}/{label}/{DS}") for r in names])
 
     for k in (1, 4):
         cell = vs_grpo.cell(BRANCH, f"{DS} pass@{k}")
@@ -418,8 +456,8 @@ def test_intervals_from_the_real_runs_correctness_matrices(store, built):
 
 @pytest.mark.slow
 def test_figure_2_uses_the_periodic_held_out_accuracy(store, built):
-    assert len(history(store, "g0", f"eval/periodic/{DS}/pass_at_1")) == 3  # eval.every_steps=1, 3 steps
-    assert not any("eval/periodic" in n for n in built.notes)
+    assert len(history(store, "g0", f"pass_at_1/periodic/{DS}")) == 3  # eval.every_steps=1, 3 steps
+    assert not any("/periodic/" in n for n in built.notes)
 
 
 def test_params_that_follow_the_training_seed_do_not_split_rows():

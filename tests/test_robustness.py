@@ -164,7 +164,7 @@ def test_a_base_only_run_under_the_cosine_schedule_evaluates_the_start_model(tmp
     r = sage_train(*args, f"tracking.uri={uri}", "tracking.experiment=b")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| base | arith_heldout |" in r.stdout
-    assert set(json.loads((out / "metrics.json").read_text())) >= {"base/arith_heldout/pass@1"}
+    assert set(json.loads((out / "metrics.json").read_text())) >= {"pass_at_1/base/arith_heldout"}
     assert not (out / "rl").exists() and not (out / "final").exists()
     first = (out / RUN_ID_FILE).read_text()
     r = sage_train(*args, f"tracking.uri={uri}", "tracking.experiment=b", "resume=auto")

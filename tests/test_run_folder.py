@@ -429,7 +429,7 @@ def test_an_extended_study_never_scores_a_new_trial_from_an_old_trials_model(tmp
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     study = [
         "hydra/sweeper=optuna",
-        "hydra.sweeper.objectives=[trained/arith_heldout/pass@1]",
+        "hydra.sweeper.objectives=[pass_at_1/trained/arith_heldout]",
         "hydra.sweeper.directions=[maximize]",
         "hydra.sweeper.study_name=ext",
         f"hydra.sweeper.storage=sqlite:///{tmp_path / 'study.db'}",

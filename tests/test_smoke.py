@@ -77,7 +77,9 @@ def test_train_checkpoint_resume(tmp_path):
     ckpt = weights(out / "rl" / "checkpoint-2")
     assert all(torch.equal(final[k], ckpt[k]) for k in final)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert 0.0 <= metrics["trained/arith_heldout/pass@1"] <= metrics["trained/arith_heldout/pass@4"] <= 1.0
+    assert (
+        0.0 <= metrics["pass_at_1/trained/arith_heldout"] <= metrics["pass_at_4/trained/arith_heldout"] <= 1.0
+    )
 
     # a second run into the same folder without resume=true refuses to overwrite what is recorded
     r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", check=False)
@@ -142,10 +144,10 @@ def check_mlflow_record(out):
     for key in ("train/kl", "train/divergence", "train/guide/active_frac", "train/grad_norm", "train/reward"):
         assert len(client.get_metric_history(run_id, key)) == 4, key
     metrics = json.loads((out / "metrics.json").read_text())
-    assert run.data.metrics["eval/trained/arith_heldout/pass_at_1"] == pytest.approx(
-        metrics["trained/arith_heldout/pass@1"]
+    assert run.data.metrics["pass_at_1/trained/arith_heldout"] == pytest.approx(
+        metrics["pass_at_1/trained/arith_heldout"]
     )
-    curve = client.get_metric_history(run_id, "eval/trained/arith_heldout/pass_at_k_curve")
+    curve = client.get_metric_history(run_id, "pass_at_k_curve/trained/arith_heldout")
     assert sorted({m.step for m in curve}) == [1, 2, 3, 4]
     check_evaluations_logged_once(out)
 
@@ -158,17 +160,19 @@ def check_evaluations_logged_once(out):
     client = MlflowClient()
     run_id = (out / "mlflow_run_id").read_text()
     run = client.get_run(run_id)
-    base_curve = client.get_metric_history(run_id, "eval/base/arith_heldout/pass_at_k_curve")
+    base_curve = client.get_metric_history(run_id, "pass_at_k_curve/base/arith_heldout")
     assert sorted(m.step for m in base_curve) == [1, 2, 3, 4]
-    evals = [k for k in run.data.metrics if k.startswith("eval/") and not k.endswith("pass_at_k_curve")]
-    assert "eval/base/arith_heldout/pass_at_1" in evals
-    for key in evals:
+    # the evaluation's figures: <figure>/<base|trained|periodic>/<dataset> (sage.metrics.metric_name)
+    evals = {k: k.split("/")[-2] for k in run.data.metrics if k.endswith("/arith_heldout")}
+    evals = {k: label for k, label in evals.items() if not k.startswith("pass_at_k_curve/")}
+    assert "pass_at_1/base/arith_heldout" in evals and set(evals.values()) == {"base", "trained"}
+    for key, label in evals.items():
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert len(steps) == len(set(steps)), (key, steps)
-        if key.startswith("eval/base/"):
+        if label == "base":
             assert steps == [0], (key, steps)
-        if "/pass_at_" in key:
-            assert steps == ([0] if key.startswith("eval/base/") else [2, 4]), (key, steps)
+        if key.startswith("pass_at_"):
+            assert steps == ([0] if label == "base" else [2, 4]), (key, steps)
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval/trained")}
     assert "eval/trained/trained_arith_heldout_correct.npz" in artifacts
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from sage.metrics import metric_name
 from sage.tracking import flatten, metric_key, redact
 
 
@@ -11,7 +12,9 @@ def test_redact_and_flatten_drop_secrets():
     assert redact("https://host/path") == "https://host/path"
     flat = flatten({"a": {"api_key": "k", "b": [1, 2]}, "hf_token": "t", "uri": "http://u:p@h"})
     assert flat == {"a.b": "[1, 2]", "uri": "http://***@h"}
-    assert metric_key("eval/trained/x/pass@64") == "eval/trained/x/pass_at_64"
+    assert metric_key("train/pass@64") == "train/pass_at_64"
+    assert metric_name("trained", "math500", "pass@64") == "pass_at_64/trained/math500"  # distinct part first
+    assert metric_name("periodic", "math500", "pass@1_std") == "pass_at_1_std/periodic/math500"
 
 
 def test_parallel_jobs_open_a_fresh_sqlite_store(tmp_path):

@@ -35,8 +35,9 @@ from sage.config import (
     instantiate_node,
     register_configs,
 )
+from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
-from sage.tracking import check_store, metric_key, start_run
+from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")
 
@@ -106,7 +107,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         )
         if tracker is not None:
             logged = tracker.client.get_run(tracker.run_id).data.metrics
-            new = {ds: r for ds, r in res.items() if metric_key(f"eval/{label}/{ds}/pass@1") not in logged}
+            new = {ds: r for ds, r in res.items() if metric_name(label, ds, "pass@1") not in logged}
             for ds, r in new.items():
                 shown = cfg.tracking.completions_sample
                 tracker.log_eval(label, ds, r, list(cfg.eval.ks), shown, rows=rows[ds])

@@ -12,14 +12,14 @@ import torch
 from transformers import TrainerCallback
 
 from sage import distributed
-from sage.metrics import pass_at_k_curve
+from sage.metrics import metric_name, pass_at_k_curve
 
 log = logging.getLogger(__name__)
 
 
 class PeriodicEval(TrainerCallback):
     """Every ``every`` optimiser steps: ``settings.n_samples`` samples per held-out problem from the model
-    being trained; pass@1 and pass@n go to MLflow as ``eval/periodic/<dataset>/pass_at_<k>`` at that step
+    being trained; pass@1 and pass@n go to MLflow as ``pass_at_<k>/periodic/<dataset>`` at that step
     and to ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
     not change the training samples. The step's metrics are then handed to the ``on_evaluate`` of each of
     ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics.
@@ -84,8 +84,8 @@ class PeriodicEval(TrainerCallback):
                 }
             )
             step_metrics = {
-                f"eval/periodic/{name}/pass@1": curve[1],
-                f"eval/periodic/{name}/pass@{n}": curve[n],
+                metric_name("periodic", name, "pass@1"): curve[1],
+                metric_name("periodic", name, f"pass@{n}"): curve[n],
             }
             metrics.update(step_metrics)
             if self.tracker is not None:

@@ -34,6 +34,7 @@ from sage.config import (
     register_configs,
     validate,
 )
+from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
 from sage.run_folder import (
     check_identity,
@@ -433,7 +434,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
             for label, path, res in evaluated:
                 table[label] = {ds: r["summary"] for ds, r in res.items()}
                 for ds, r in res.items():
-                    metrics.update({f"{label}/{ds}/{k}": v for k, v in r["summary"].items()})
+                    metrics.update({metric_name(label, ds, k): v for k, v in r["summary"].items()})
                     if tracker is not None:  # at the evaluated model's step (final/ records it; base: 0)
                         step = max(final_step(Path(path)), 0)
                         ks, shown = list(cfg.eval.ks), cfg.tracking.completions_sample

@@ -47,7 +47,7 @@ SHRINK_GRID = {"hydra.sweeper.params.experiment": "grpo"}
 SHRINK_STUDY = {
     "hydra.sweeper.n_trials": "1",
     "hydra.sweeper.n_jobs": "1",
-    "hydra.sweeper.objectives": "[trained/arith_heldout/pass@1]",
+    "hydra.sweeper.objectives": "[pass_at_1/trained/arith_heldout]",
     "hydra.sweeper.directions": "[maximize]",
 }
 # Commands that cannot run here, by what they need; they are composed instead.

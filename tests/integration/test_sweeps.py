@@ -30,7 +30,7 @@ SHRINK = [
     "eval.ks=[1,4]",
     "eval.limit=4",
 ]
-OBJECTIVES = "hydra.sweeper.objectives=[trained/arith_heldout/pass@1,trained/arith_heldout/pass@4]"
+OBJECTIVES = "hydra.sweeper.objectives=[pass_at_1/trained/arith_heldout,pass_at_4/trained/arith_heldout]"
 
 
 def compose(overrides: list[str]):
@@ -214,7 +214,9 @@ def test_grid_through_slurm_every_job_completes(slurm_cluster, mlflow_server, tm
     assert len(job_folders(sweep_dir)) == 4
     for folder in job_folders(sweep_dir):
         metrics = json.loads((folder / "metrics.json").read_text())
-        assert 0 <= metrics["trained/arith_heldout/pass@1"] <= metrics["trained/arith_heldout/pass@4"] <= 1
+        assert (
+            0 <= metrics["pass_at_1/trained/arith_heldout"] <= metrics["pass_at_4/trained/arith_heldout"] <= 1
+        )
     runs = mlflow_runs(mlflow_server, "it-grid")
     tags = sorted((r.data.tags.get("method"), r.data.tags.get("job_num")) for r in runs)
     assert tags == [("grpo", "0"), ("grpo", "1"), ("grpo_branch", "2"), ("grpo_branch", "3")], tags
@@ -420,4 +422,4 @@ def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server,
     (out,) = job_folders(sweep_dir)
     assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 2
     metrics = json.loads((out / "metrics.json").read_text())
-    assert 0 <= metrics["trained/arith_heldout/pass@1"] <= 1
+    assert 0 <= metrics["pass_at_1/trained/arith_heldout"] <= 1
