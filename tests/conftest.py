@@ -15,3 +15,14 @@ def _private_mlflow_store(tmp_path_factory):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     yield
     del os.environ["MLFLOW_TRACKING_URI"]
+
+
+# tryfirst: xdist reads the mark in its own collection hook, which must see it
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on pytest-xdist workers (--dist loadgroup). The integration tests share one
+    SLURM cluster, whose session fixture starts and stops it: two workers would each start (and stop) it under
+    the other's jobs. So every integration test goes to one worker, in file order; the rest are spread."""
+    for item in items:
+        if item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.xdist_group("services"))
