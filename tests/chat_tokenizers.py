@@ -80,3 +80,27 @@ def tiny_model(tokenizer, path: Path | None = None):
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return model
+
+
+def real_chat_tokenizer(model: str):
+    """The real Qwen2.5 tokenizer (151,936-token byte-level BPE, from the real pretrained model of
+    ``model=qwen2.5-coder-0.5b-instruct``, converted into the model cache on first use) with ``model``'s
+    published chat template and special tokens: the paper's Qwen models share this vocabulary, and
+    R1-Distill-Qwen's is it with its own special tokens added."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2.5-coder-0.5b-instruct.yaml"
+    tokenizer = AutoTokenizer.from_pretrained(instantiate(OmegaConf.load(conf).source))
+    spec = published(model)
+    missing = [t for t in spec["special_tokens"] if t not in tokenizer.get_vocab()]
+    tokenizer.add_tokens(missing, special_tokens=True)
+    tokenizer.add_tokens([t for t in spec["template_tokens"] if t not in tokenizer.get_vocab()])
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = (
+        spec["bos_token"],
+        spec["eos_token"],
+        spec["pad_token"],
+    )
+    tokenizer.chat_template = spec["chat_template"]
+    return tokenizer

@@ -30,7 +30,12 @@ def _private_mlflow_store(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """`make test` runs the suite on pytest-xdist workers (--dist loadgroup). The integration tests share one
     SLURM cluster, whose session fixture starts and stops it: two workers would each start (and stop) it under
-    the other's jobs. So every integration test goes to one worker, in file order; the rest are spread."""
+    the other's jobs. So every integration test goes to one worker, in file order, and every other vLLM test
+    to one worker; the rest are spread."""
     for item in items:
         if item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.xdist_group("services"))
+        elif item.get_closest_marker("vllm"):
+            # a vLLM engine on a CPU reserves its KV cache up front (eval.vllm_cpu_memory_utilization of the
+            # machine's memory) and refuses to start when that much is not free: one engine at a time
+            item.add_marker(pytest.mark.xdist_group("vllm"))

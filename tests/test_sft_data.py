@@ -7,7 +7,13 @@ tests/data/chat_templates/ (their tokenizers cannot be downloaded here; see chat
 import json
 
 import pytest
-from chat_tokenizers import PAPER_CHAT_MODELS, build_chat_tokenizer, published, tiny_model
+from chat_tokenizers import (
+    PAPER_CHAT_MODELS,
+    build_chat_tokenizer,
+    published,
+    real_chat_tokenizer,
+    tiny_model,
+)
 from trl import SFTConfig, SFTTrainer
 
 from sage.data.datasets import arith_sft_dataset, sft_dataset
@@ -129,11 +135,22 @@ def test_sft_keeps_only_whole_conversations(tmp_path, model, caplog):
     """Rows longer than max_length are dropped before TRL sees them (TRL would cut their end): every kept
     row, as TRL's own SFT tokenisation makes it, fits max_length and ends with the answer's closing tag and
     the template's end-of-turn token; our length count is TRL's exactly; the drop is logged."""
+    check_whole_conversations(build_chat_tokenizer(model), model, tmp_path, caplog)
+
+
+@pytest.mark.slow  # converts the real model into the model cache on first use (cached after)
+@pytest.mark.parametrize("model", PAPER_CHAT_MODELS)
+def test_sft_keeps_only_whole_conversations_under_the_real_qwen_tokenizer(tmp_path, model, caplog):
+    """The same, tokenised by the real 151,936-token Qwen2.5 BPE with each paper model's template: real
+    merges give other lengths than the one-character-per-token stand-in, and lengths are what decide."""
+    check_whole_conversations(real_chat_tokenizer(model), model, tmp_path, caplog)
+
+
+def check_whole_conversations(tok, model, tmp_path, caplog):
     import logging
 
     from sage.train.sft import conversation_length, keep_whole_rows
 
-    tok = build_chat_tokenizer(model)
     rows = sft_dataset(long_and_short_rows(tmp_path), "train", max_prompt_length=100, chat=True)
     untruncated = tokenised(rows, tok, tmp_path, model=tiny_model(tok), max_length=None)
     lengths = [len(r["input_ids"]) for r in untruncated]
