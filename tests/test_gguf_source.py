@@ -1,5 +1,6 @@
 """model.source from a GGUF file (sage.models.from_gguf / from_package_gguf): what is refused, in one line,
-before any download or conversion. The conversion of a real file is run by tests/test_real_model.py."""
+before any download or conversion. The conversion of the real file is run by the real-tokenizer SFT check in
+tests/test_sft_data.py."""
 
 from pathlib import Path
 

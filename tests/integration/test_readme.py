@@ -63,7 +63,6 @@ ELSEWHERE = {
     "make reproduce-testbed": "the whole testbed study; its parts run in tests/test_report.py",
     "make reproduce-table": "one table of it: tests/integration/test_reproduce.py runs make reproduce-table6",
     "mlflow ui": "MLflow's UI: tests/integration/test_mlflow_ui.py renders a store served by mlflow server",
-    "sage-train model=qwen2.5-coder-0.5b-instruct": "tests/test_real_model.py runs it, on MATH-500 rows",
 }
 
 
