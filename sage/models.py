@@ -83,10 +83,11 @@ def from_gguf(path: str) -> str:
     transformers loads a GGUF dequantised but refuses to save or train such a model, and takes the
     tokenizer's eos from its BPE conversion rather than from the file; ``convert_gguf`` says what it
     does about both."""
+    from sage.eval.checkpoint import file_digest
+
     file = _gguf_file(Path(path))
-    meta = gguf_metadata(file)  # before hashing 0.5 GB: an unsupported file fails in one line, now
-    sha = _sha256(file)
-    return _converted(sha, lambda tmp: file, {"file": file.name, **meta})
+    gguf_metadata(file)  # before hashing 0.5 GB: an unsupported file fails in one line, now
+    return _converted(file_digest(file), lambda tmp: file, {"file": file.name})
 
 
 def from_package_gguf(packages: list[str], sha256: str) -> str:
@@ -155,14 +156,6 @@ def gguf_metadata(file: Path) -> dict:
         "eos_token_id": value("tokenizer.ggml.eos_token_id"),
         "pad_token_id": value("tokenizer.ggml.padding_token_id"),
     }
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fetch_joined(packages: list[str], sha256: str, tmp: Path) -> Path:
