@@ -14,8 +14,8 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
 - run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model;
 - eval_processes: wall time of one evaluation (``evaluate_model``: sample, grade, merge, store) by 1 process
   and by 2 processes under ``torchrun`` (gloo), launches interleaved, and their ratio. Each process has
-  one core's worth of work at a time (one torch thread, OMP_NUM_THREADS=1, and one grading worker), as each
-  process of a GPU run has its own GPU and its own cores;
+  one core to itself (pinned; one torch thread, OMP_NUM_THREADS=1, and one grading worker on that core), as
+  each process of a GPU run has its own GPU and its own cores;
 - vllm_seeding: seconds per block (30 prompts x 8 samples, ChatML prompts long enough that prefills are
   chunked) of the vLLM CPU build with seeds per request (chunked prefill off: on, it stops with "CPU
   Generator does not use offset") and with the engine seeded per block (``VllmSampler``), interleaved.
@@ -309,6 +309,11 @@ def _eval_processes_worker(result: Path, problems: int) -> None:
     from sage.testbed.model import build_tiny_model
     from sage.testbed.task import heldout_rows
 
+    # One core per process, its grading worker included (children inherit the affinity): as each process of
+    # a GPU run has its own GPU and its own cores. Unpinned, a lone process would grade on the core that its
+    # second would sample on, and the 1-process run would borrow what the 2-process run splits.
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
     distributed.init(timeout_s=1800)
     model = build_tiny_model()
     rows = {"heldout": heldout_rows(problems)}

@@ -66,12 +66,18 @@ def wait_for_file(path: Path, what: str, poll_s: float = 2.0) -> str:
     A process that waits on another job's work (a shared SFT model or base model another job is building)
     waits here, on the file system, never inside a collective: a collective has the group's timeout
     (``trl.ddp_timeout``), and a build by another job can last longer than any timeout worth setting. If
-    this run's main process dies, the launcher (torchrun, srun) stops the others."""
+    this run's main process dies, the launcher (torchrun, srun) stops the others.
+
+    The first polls come fast and back off to ``poll_s``: the main process's decision on work already done
+    (a cached model, a finished evaluation cell) is written within milliseconds, and a fixed poll would
+    leave every other process idle for half of ``poll_s`` on average, once per cell of every evaluation."""
+    delay = 0.005
     while True:
         try:
             return path.read_text()
         except FileNotFoundError:
-            time.sleep(poll_s)
+            time.sleep(delay)
+            delay = min(poll_s, delay * 2)
         except OSError as e:
             raise RuntimeError(f"waiting for {what}: cannot read {path}: {e}") from e
 

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     """`make test` runs the suite on pytest-xdist workers (--dist loadgroup). The integration tests share one
     SLURM cluster, whose session fixture starts and stops it: two workers would each start (and stop) it under
     the other's jobs. So every integration test goes to one worker, in file order, and every other vLLM test
-    to one worker; the rest are spread."""
+    to one worker; the rest are spread, but the tests that share a module-scoped fixture stay together."""
     for item in items:
         if item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.xdist_group("services"))
@@ -39,3 +39,14 @@ def pytest_collection_modifyitems(config, items):
             # a vLLM engine on a CPU reserves its KV cache up front (eval.vllm_cpu_memory_utilization of the
             # machine's memory) and refuses to start when that much is not free: one engine at a time
             item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif _uses_module_fixture(item):
+            # a module-scoped fixture (real training runs, a built model) is built once per worker that runs
+            # one of its tests: split over two workers, it is built twice
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.nodeid.split('::')[0]}"))
+
+
+def _uses_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())

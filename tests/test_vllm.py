@@ -163,3 +163,51 @@ def test_rl_releases_trls_colocated_engine_before_the_evaluation(adapter):
     psutil.wait_procs(started, timeout=60)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
     release_training_engine(SimpleNamespace())  # rollout=hf: no engine, nothing to do
+
+
+def test_a_killed_sage_eval_leaves_no_engine_behind(tmp_path):
+    """SIGKILL (a test's timeout, the OOM killer) skips every shutdown: the engine's processes, re-parented,
+    would keep its memory share and refuse the next engine. sage-eval's watcher (sage.reaper) kills them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sage import reaper
+
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sage.eval",
+            "eval.backend=vllm",
+            "eval.n_samples=256",
+            "eval.ks=[1]",
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline, engine = time.monotonic() + 600, []
+        while not engine and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+            engine = [
+                p
+                for p in psutil.Process(run.pid).children(recursive=True)
+                if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+            ]
+        assert engine, (
+            f"no vLLM engine started: {run.stderr.read()[-3000:] if run.poll() is not None else ''}"
+        )
+        time.sleep(5)  # sampling
+        assert run.poll() is None
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        _, left = psutil.wait_procs(engine, timeout=reaper.POLL_S + reaper.GRACE_S + 20)
+        assert not left, f"still running after the run was killed: {[p.pid for p in left]}"
+    finally:
+        run.kill()

@@ -37,6 +37,7 @@ from sage.config import (
 )
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
+from sage.reaper import reap_on_exit
 from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")
@@ -179,6 +180,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    reap_on_exit()  # a killed run's vLLM engine processes die with it
     _hydra_main()
 
 

@@ -36,6 +36,7 @@ from sage.config import (
 )
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
+from sage.reaper import reap_on_exit
 from sage.run_folder import (
     check_identity,
     keep_earlier_final,
@@ -467,6 +468,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    reap_on_exit()  # a killed run's vLLM engine processes die with it
     _hydra_main()
 
 
