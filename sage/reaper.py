@@ -19,9 +19,9 @@ to the run's process group does not take it first.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
-import time
 
 import psutil
 
@@ -59,6 +59,9 @@ def watch(pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> list[in
     record: list[psutil.Process] = []
     try:
         run = psutil.Process(pid)
+        # readable once the run has exited: the watcher wakes then, not at its next poll, so a finished run's
+        # stderr (which the watcher shares) closes as soon as the run's does
+        exited = os.pidfd_open(pid)
         while True:
             seen = descendants(run, me)
             # a record taken after the run's death misses what it started (re-parented by then): keep the last
@@ -66,8 +69,9 @@ def watch(pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> list[in
             if not run.is_running() or run.status() == psutil.STATUS_ZOMBIE:
                 break
             record = seen
-            time.sleep(poll_s)
-    except psutil.NoSuchProcess:
+            if select.select([exited], [], [], poll_s)[0]:
+                break
+    except (psutil.NoSuchProcess, ProcessLookupError):
         pass
     record = [p for p in record if not _spared(p)]
     _, record = psutil.wait_procs(record, timeout=grace_s)
