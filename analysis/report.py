@@ -7,8 +7,9 @@
 Writes the report, every table also as ``<tables-dir>/<name>.{md,tex,csv}``, and the figures as PNGs.
 Only finished ``sage-train`` runs count; a row is one method at one config (see ``analysis.load``), its
 cells mean ± std over the training seeds asked (``--seeds``, default: every seed present). Differences
-between rows (each minus ``--reference`` and minus base) always carry their paired bootstrap interval over
-problems and seeds (``analysis.bootstrap``), from the correctness matrices each evaluation logged.
+between rows (each minus ``--reference`` and minus base) always carry their t interval over problems and
+seeds (``analysis.bootstrap``: seed noise pooled over a table's rows, coverage checked by simulation at 2-5
+seeds), from the correctness matrices each evaluation logged; each table is a family under Holm's correction.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -236,6 +237,16 @@ class ProblemValues:
             return f"seeds evaluated different (problems, samples): {sorted(shapes)}"
         return shapes.pop()
 
+    def seed_noise(self, rows: Sequence[str], ds: str, k: int, problems: int) -> bootstrap.SeedNoise | None:
+        """The seed noise of ``rows`` (trained rows) at (ds, k), pooled over those evaluated on the same
+        ``problems`` with at least k samples per problem."""
+        usable = [
+            r
+            for r in rows
+            if not isinstance(sh := self.shape(r, ds), str) and sh[0] == problems and sh[1] >= k
+        ]
+        return bootstrap.seed_noise([self.values(r, ds, [k])[0][..., 0] for r in usable])
+
     def values(self, row: str, ds: str, ks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
         """(seeds, problems, len(ks)) per-problem pass@k and the seeds, for a row whose ``shape`` is a
         shape with samples >= max(ks)."""
@@ -257,13 +268,14 @@ def difference_table(
     columns: Sequence[tuple[str, int]],
     asked: Sequence[int],
     *,
-    draws: int,
-    rng_seed: int,
     name: str,
     title: str,
 ) -> Table:
     """Each of ``rows`` minus ``reference`` at each (dataset, k) column: a ``Diff`` cell (the difference
-    with its paired bootstrap interval), or why there is none."""
+    with its interval, see ``analysis.bootstrap``), or why there is none. The table's cells with an
+    interval are one family of comparisons: Holm's correction marks the ones that survive it, and the notes
+    say so, with the smallest difference each column could detect."""
+    pooled = [r for r in (*rows, reference) if not r.startswith("base")]
     out = []
     for row in rows:
         cells: list[tables.Cell] = []
@@ -280,19 +292,39 @@ def difference_table(
                 continue
             a, seeds = pv.values(row, ds, [k])
             b, ref_seeds = pv.values(reference, ds, [k])
-            interval = bootstrap.paired_difference(
+            interval = bootstrap.difference(
                 a[..., 0],
-                seeds,
                 b[..., 0],
-                ref_seeds,
-                draws=draws,
-                rng_seed=rng_seed,
+                pv.seed_noise(pooled, ds, k, problems=shapes[0][0]),
                 ref_is_base=reference.startswith("base"),
             )
             cells.append(Diff(interval, len(seeds), len(ref_seeds), len(asked)))
         out.append((row, cells))
+    diffs = [
+        (r, j, c) for r, (_, cells) in enumerate(out) for j, c in enumerate(cells) if isinstance(c, Diff)
+    ]
+    survives = bootstrap.holm([c.interval.p for _, _, c in diffs])
+    for (r, j, c), kept in zip(diffs, survives, strict=True):
+        out[r][1][j] = replace(c, holm=kept)
     columns_text = [f"{ds} pass@{k}" for ds, k in columns]
-    return Table(name, title, columns_text, out)
+    table = Table(name, title, columns_text, out)
+    family = sum(c.interval.has_interval for _, _, c in diffs)
+    table.notes.append(
+        f"Family: {family} comparisons with an interval (t, {bootstrap.LEVEL:.0%}); "
+        f"{tables.MARKER} its interval excludes 0; {tables.HOLM} it also survives Holm's correction for the "
+        f"{family} at {1 - bootstrap.LEVEL:.0%} family-wise"
+    )
+    mdes = [
+        f"{col} {np.median(m):.3f}"
+        for j, col in enumerate(columns_text)
+        if (m := [c.interval.mde for r, jj, c in diffs if jj == j and c.interval.has_interval])
+    ]
+    if mdes:
+        table.notes.append(
+            "Smallest difference detectable with 80% power (two-sided 5%), median over rows: "
+            + "; ".join(mdes)
+        )
+    return table
 
 
 def curve_bands(pv: ProblemValues, rows: Sequence[str], datasets: Sequence[str], draws: int, rng_seed: int):
@@ -421,7 +453,9 @@ def make_report(
         made[t.name] = t
         write_table(t, tables_dir, digits)
         caption = t.title + "." + (" " + text if text else "")
-        sections.append(f"## {heading}\n\n{caption}\n\n{tables.to_markdown(t, digits)}\n")
+        below = "".join(f"\n- {n}" for n in t.notes)  # a table's own notes (its family, its power)
+        below = "\n" + below + "\n" if below else ""
+        sections.append(f"## {heading}\n\n{caption}\n\n{tables.to_markdown(t, digits)}\n{below}")
 
     add(tables.ablation_table(meas, asked, ks), "Methods (Tables 1, 3, 4, 9)")
     for kx in extra_ks:  # the same table at other k (e.g. Table 1 at k = 8 beside k = 64)
@@ -439,16 +473,17 @@ def make_report(
         base_rows = sorted(src.loc[src["label"] == "base", "row"].unique())
         columns = [(ds, kk) for ds in datasets for kk in sorted({1, ks[ds], *extra_ks})]
         how = (
-            f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} paired "
-            f"bootstrap interval ({draws} draws of problems and of seeds, RNG seed {rng_seed}; seeds paired "
-            f"when both rows ran the same seeds); `{tables.MARKER}`: the interval excludes 0. "
-            + NOISE_SENTENCE
+            f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} t "
+            "interval (problem noise, and seed noise pooled over the table's trained rows: see "
+            "analysis/bootstrap.py); a side with one training seed gets none. "
+            f"`{tables.MARKER}`: the interval excludes 0; `{tables.HOLM}`: it survives Holm's correction "
+            "over the table's family. " + NOISE_SENTENCE
         )
         ref_row = load.METHOD_NAMES.get(reference, reference)
         if ref_row in trained_rows:
             others = [r for r in trained_rows if r != ref_row]
             t = difference_table(
-                pv, others, ref_row, columns, asked, draws=draws, rng_seed=rng_seed,
+                pv, others, ref_row, columns, asked,
                 name="diff_vs_reference", title=f"each method minus {ref_row}: pass@1 and pass@k",
             )  # fmt: skip
             add(t, f"Differences against {ref_row}", how)
@@ -456,7 +491,7 @@ def make_report(
             notes.append(f"no differences against {ref_row!r}: no trained row of that name (--reference)")
         if len(base_rows) == 1:
             t = difference_table(
-                pv, trained_rows, base_rows[0], columns, asked, draws=draws, rng_seed=rng_seed,
+                pv, trained_rows, base_rows[0], columns, asked,
                 name="diff_vs_base", title="each method minus the start model (base): pass@1 and pass@k",
             )  # fmt: skip
             add(t, "Differences against the start model", how)
@@ -561,8 +596,9 @@ def make_report(
     )
     if {"diff_vs_reference", "diff_vs_base"} & set(made):
         head += (
-            f"Differences between methods are shown with {bootstrap.LEVEL:.0%} paired bootstrap intervals "
-            f"over problems and seeds, `{tables.MARKER}` where the interval excludes 0. {NOISE_SENTENCE}\n"
+            f"Differences between methods are shown with {bootstrap.LEVEL:.0%} t intervals over problems "
+            f"and seeds, `{tables.MARKER}` where the interval excludes 0, `{tables.HOLM}` where the "
+            f"difference also survives Holm's correction over its table. {NOISE_SENTENCE}\n"
         )
     note_text = "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""
     # Included files (another sage-report, a measurement, a written reading) follow verbatim.
@@ -608,7 +644,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="method the differences are taken against: a conf/experiment preset (grpo) or a row name",
     )
     p.add_argument(
-        "--bootstrap", type=int, default=2000, help="bootstrap draws of the intervals; 0: no intervals"
+        "--bootstrap",
+        type=int,
+        default=2000,
+        help="bootstrap draws of the curves' bands; 0: no bands nor intervals",
     )
     p.add_argument("--bootstrap-seed", type=int, default=0, help="RNG seed of the bootstrap (reproducible)")
     p.add_argument(

@@ -49,29 +49,31 @@ def stat(values: Sequence[float], asked: int) -> Stat:
 
 @dataclass(frozen=True)
 class Diff:
-    """A difference of means (method minus reference) with its bootstrap interval, always shown together:
-    ``+0.031 [0.012, 0.050] *``. ``*``: the interval excludes 0 and seed noise was resampled (see
-    ``analysis.bootstrap``); with one training seed the cell says the interval covers problem noise only.
-    ``n``: the method's seeds with data, ``ref_n``: the reference's, ``asked``: the seeds asked for."""
+    """A difference of means (method minus reference) with its interval, always shown together:
+    ``+0.031 [0.012, 0.050] *†``. ``*``: the interval excludes 0; ``†``: the difference also survives Holm's
+    correction over its table's family (see ``analysis.bootstrap``). With one training seed on a trained side
+    the cell has no interval and says so. ``n``: the method's seeds with data, ``ref_n``: the reference's,
+    ``asked``: the seeds asked for."""
 
     interval: Interval
     n: int
     ref_n: int
     asked: int
+    holm: bool = False
 
     def text(self, digits: int = 3) -> str:
         i = self.interval
+        if not i.has_interval:
+            return f"{i.diff:+.{digits}f} (1 seed: no interval)"
         out = f"{i.diff:+.{digits}f} [{i.lo:.{digits}f}, {i.hi:.{digits}f}]"
         if i.marked:
-            out += " " + MARKER
-        if not i.seeds_resampled:
-            out += " (1 seed: problem noise only)"
-        elif min(self.n, self.ref_n) < self.asked:
+            out += " " + MARKER + (HOLM if self.holm else "")
+        if min(self.n, self.ref_n) < self.asked:
             out += f" ({self.n}/{self.asked} seeds, reference {self.ref_n}/{self.asked})"
         return out
 
 
-MARKER = "*"
+MARKER, HOLM = "*", "†"
 Cell = Stat | Diff | str
 
 
@@ -143,25 +145,28 @@ def to_latex(t: Table, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-DIFF_CSV = ["row", "column", "diff", "lo", "hi", "excludes_zero", "marked", "seeds", "ref_seeds", "asked"]
+DIFF_CSV = [
+    "row", "column", "diff", "lo", "hi", "excludes_zero", "marked", "p", "holm", "se", "df", "mde_80",
+    "seeds", "ref_seeds", "asked",
+]  # fmt: skip
 
 
 def to_csv(t: Table) -> str:
     """Tidy numbers, one line per cell: row, column, mean, std, seeds, asked, text; a table of differences
-    (``Diff`` cells): row, column, diff, lo, hi, excludes_zero, marked, seeds, ref_seeds, asked,
-    paired_by_seed, text."""
+    (``Diff`` cells): the ``DIFF_CSV`` columns and text (empty numbers where a cell has no interval)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     if any(isinstance(c, Diff) for _, cells in t.rows for c in cells):
-        w.writerow([*DIFF_CSV, "paired_by_seed", "text"])
+        w.writerow([*DIFF_CSV, "text"])
         for name, cells in t.rows:
             for col, c in zip(t.columns, cells, strict=True):
                 if isinstance(c, Diff):
                     i = c.interval
-                    nums = [repr(i.diff), repr(i.lo), repr(i.hi), i.excludes_zero, i.marked]
-                    w.writerow([name, col, *nums, c.n, c.ref_n, c.asked, i.paired_by_seed, c.text()])
+                    nums = [_num(v) for v in (i.diff, i.lo, i.hi)] + [i.excludes_zero, i.marked]
+                    nums += [_num(i.p), c.holm, _num(i.se), _num(i.df), _num(i.mde)]
+                    w.writerow([name, col, *nums, c.n, c.ref_n, c.asked, c.text()])
                 else:
-                    w.writerow([name, col, *[""] * (len(DIFF_CSV) - 1), c])
+                    w.writerow([name, col, *[""] * (len(DIFF_CSV) - 2), c])
         return buf.getvalue()
     w.writerow(["row", "column", "mean", "std", "seeds", "asked", "text"])
     for name, cells in t.rows:
@@ -180,7 +185,7 @@ def _text(c: Cell, digits: int, pm: str = "±") -> str:
 
 
 def _num(v: float | None) -> str:
-    return "" if v is None else repr(v)
+    return "" if v is None or math.isnan(v) else repr(float(v))
 
 
 # ------------------------------------------------------------------ the paper's tables

@@ -442,11 +442,11 @@ def test_intervals_from_the_real_runs_correctness_matrices(store, built):
         want = mean(["b0", "b1"], "trained", k) - mean(["g0", "g1"], "trained", k)
         assert cell.interval.diff == pytest.approx(want, abs=1e-12)
         assert cell.interval.lo <= cell.interval.diff <= cell.interval.hi
-        assert cell.interval.paired_by_seed and (cell.n, cell.ref_n) == (2, 2)
+        assert (cell.n, cell.ref_n) == (2, 2)
         base = vs_base.cell(GRPO, f"{DS} pass@{k}")
         assert base.interval.diff == pytest.approx(mean(["g0", "g1"], "trained", k) - mean(["g0"], "base", k))
-        one = vs_grpo.cell(BRANCH5, f"{DS} pass@{k}")  # one seed: never marked
-        assert not one.interval.marked and "(1 seed: problem noise only)" in one.text()
+        one = vs_grpo.cell(BRANCH5, f"{DS} pass@{k}")  # one seed: no interval, never marked
+        assert not one.interval.marked and one.text().endswith("(1 seed: no interval)")
     assert built.warnings and built.warnings[0].startswith("fewer than 5 training seeds for Table 1 methods:")
     assert f"**Warning:** {built.warnings[0]}" in built.markdown and report.NOISE_SENTENCE in built.markdown
     csv = (store["root"] / "report" / "tables" / "diff_vs_base.csv").read_text()
