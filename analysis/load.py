@@ -45,7 +45,12 @@ METHOD_NAMES = {
 }
 ROW_ORDER = tuple(METHOD_NAMES.values())
 ALGORITHM_NAMES = {"dr_grpo": "Dr.GRPO"}  # the others are their option name in capitals
-DIVERGENCE_SUFFIX = {"reverse_kl": "", "none": " w/o KL", "forward_kl": " + forward KL"}
+DIVERGENCE_SUFFIX = {
+    "reverse_kl": "",
+    "none": " w/o KL",
+    "forward_kl": " + forward KL",
+    "sequence_kl": " + sequence KL",
+}
 # Params that differ between seeds of one experiment by design, and (sage.run_folder.NO_RESULT_KEYS) those
 # that change no number a run reports, such as trl.save_steps; any other difference splits a row.
 SEED_PARAMS = ("seed", "method")

@@ -326,6 +326,7 @@ def register_configs() -> None:
         ("peft", "base_lora", schema_of(LoraConfig, target="peft.LoraConfig")),
         ("divergence", "base_reverse_kl", schema_of(divergences.ReverseKL)),
         ("divergence", "base_forward_kl", schema_of(divergences.ForwardKL)),
+        ("divergence", "base_sequence_kl", schema_of(divergences.SequenceKL)),
         ("divergence", "base_none", schema_of(divergences.NoDivergence)),
         ("guide", "base_none", schema_of(guides.NoGuide)),
         ("guide", "base_random", schema_of(guides.RandomGuide, runtime=("schedule",), partial=True)),
@@ -362,6 +363,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
             "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
+        )
+    if cfg.divergence._target_ == "sage.objective.divergences.SequenceKL" and cfg.trl.num_iterations != 1:
+        raise ConfigError(
+            f"divergence=sequence_kl is an on-policy estimate (completions sampled from the policy it "
+            f"differentiates): trl.num_iterations must be 1 (got {cfg.trl.num_iterations})"
         )
     if cfg.trl.use_vllm:
         import torch

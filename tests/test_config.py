@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from sage.config import ConfigError, changed_only, default_ks, instantiate_node, register_configs, validate
+from sage.objective.divergences import SequenceKL
 from sage.train.main import grpo_args, lora_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -70,7 +71,7 @@ def test_every_group_has_options():
         "qwen2.5-3b-instruct",
     } <= set(options("model"))
     assert {"grpo", "dapo", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
-    assert {"reverse_kl", "none", "forward_kl"} == set(options("divergence"))
+    assert {"reverse_kl", "none", "forward_kl", "sequence_kl"} == set(options("divergence"))
     assert {"none", "random", "token", "branch"} == set(options("guide"))
     assert {"testbed", "paper"} == set(options("trl"))
 
@@ -299,3 +300,12 @@ def test_bad_eval_values_fail_at_config_time(override, message):
     """Before training, not when the evaluation after it starts (issue 14)."""
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(override, "eval.ks=[1]"))
+
+
+def test_the_sequence_anchor_is_on_policy_only():
+    validate(cfg_for("divergence=sequence_kl", "guide=branch"))
+    assert isinstance(instantiate_node(cfg_for("divergence=sequence_kl").divergence), SequenceKL)
+    with pytest.raises(
+        ConfigError, match=r"^divergence=sequence_kl .* trl.num_iterations must be 1 \(got 2\)$"
+    ):
+        validate(cfg_for("divergence=sequence_kl", "trl.num_iterations=2"))

@@ -6,7 +6,17 @@ import math
 import pytest
 import torch
 
-from sage.objective.divergences import ForwardKL, NoDivergence, ReverseKL, forward_kl, k1, k2, k3
+from sage.objective.divergences import (
+    ForwardKL,
+    NoDivergence,
+    ReverseKL,
+    SequenceKL,
+    forward_kl,
+    k1,
+    k2,
+    k3,
+    sequence_kl,
+)
 
 
 def test_hand_values():
@@ -119,3 +129,99 @@ def test_k2_with_importance_weighting_is_refused():
         ReverseKL(beta=0.05, estimator="k2", importance_weighted=True)
     ReverseKL(beta=0.05, estimator="k3", importance_weighted=True)
     ReverseKL(beta=0.05, estimator="k2")
+
+
+# ------------------------------------------------------------------ the anchor of whole completions
+# A two-step world, enumerated: y = (y1, y2), two tokens at each step. A guide's q_t depends on the prefix
+# only (as every guide's does): q = 1 at the first step; at the second, 1.4 after y1 = 0 (the fork a guide
+# would favour) and 1 after y1 = 1. Reward 1 for (0, 0) and (1, 1).
+BETA = 0.5
+REWARD = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+Q2 = torch.tensor([1.4, 1.0], dtype=torch.float64)
+
+
+def two_step_ref():
+    g = torch.Generator().manual_seed(1)
+    first = torch.softmax(torch.randn(2, generator=g, dtype=torch.float64), 0)
+    second = torch.softmax(torch.randn(2, 2, generator=g, dtype=torch.float64), 1)  # row: y1
+    return first, second
+
+
+def sequences(theta1, theta2, ref, q2):
+    """(4, 2) per-token log-probs of the policy and of the shaped anchor log pi_ref + log q, the (4,)
+    rewards and the (4,) on-policy weights pi(y), for y in (0,0), (0,1), (1,0), (1,1)."""
+    lp1, lp2 = torch.log_softmax(theta1, 0), torch.log_softmax(theta2, 1)
+    ref1, ref2 = ref
+    ys = [(a, b) for a in range(2) for b in range(2)]
+    logp = torch.stack([torch.stack([lp1[a], lp2[a, b]]) for a, b in ys])
+    anchor = torch.stack([torch.stack([ref1[a].log(), ref2[a, b].log() + q2[a].log()]) for a, b in ys])
+    rewards = torch.stack([REWARD[a, b] for a, b in ys])
+    return logp, anchor, rewards, logp.sum(-1).exp()
+
+
+def train(anchor_term, q2=Q2, steps=6000):
+    """The policy that minimises the expected on-policy loss -r log pi(y) + beta * anchor_term (sampling
+    weights held fixed, as a sampled loss has them), by Adam on exact expectations."""
+    ref = two_step_ref()
+    theta1 = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    theta2 = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([theta1, theta2], lr=0.05)
+    decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.01 ** (1 / steps))  # to lr 5e-4: settles
+    for _ in range(steps):
+        logp, anchor, rewards, pi = sequences(theta1, theta2, ref, q2)
+        loss = (pi.detach() * (-rewards * logp.sum(-1) + BETA * anchor_term(logp, anchor))).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        decay.step()
+    return sequences(theta1, theta2, ref, q2)[3].detach()
+
+
+def closed_form(q2=Q2):
+    """pi*(y) ∝ q(y) pi_ref(y) exp(r(y)/beta): the paper's stationary solution."""
+    (ref1, ref2), ys = two_step_ref(), [(a, b) for a in range(2) for b in range(2)]
+    w = torch.stack([q2[a] * ref1[a] * ref2[a, b] * torch.exp(REWARD[a, b] / BETA) for a, b in ys])
+    return w / w.sum()
+
+
+def sequence_term(logp, anchor):
+    return sequence_kl(logp, anchor, torch.ones_like(logp))
+
+
+def token_k3(logp, anchor):
+    return k3(logp, anchor).sum(-1)
+
+
+def test_the_sequence_anchor_converges_to_the_papers_stationary_solution():
+    trained = train(sequence_term)
+    assert torch.allclose(trained, closed_form(), atol=1e-5), (trained, closed_form())
+    # and the guide moved it: without q the optimum is another policy
+    assert (closed_form() - closed_form(torch.ones(2, dtype=torch.float64))).abs().max() > 0.02
+
+
+def test_per_token_k3_with_a_prefix_guide_is_a_per_position_beta_not_that_solution():
+    """Under k3 a prefix-only q_t multiplies the pull towards pi_ref at position t: training with q equals
+    training with q = 1 and beta * q_t at each position; its optimum is not the paper's solution."""
+    shaped = train(token_k3)
+    assert (shaped - closed_form()).abs().max() > 0.02
+
+    def stronger_beta(logp, anchor):
+        unshaped = anchor.clone()
+        unshaped[:, 1] -= torch.log(Q2)[[0, 0, 1, 1]]  # the anchor without q, i.e. pi_ref
+        return (k3(logp, unshaped) * torch.stack([torch.ones(4), Q2[[0, 0, 1, 1]]], -1)).sum(-1)
+
+    assert torch.allclose(shaped, train(stronger_beta), atol=1e-5)
+
+
+def test_sequence_kl_value_and_gradient_by_hand():
+    logp = torch.tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
+    anchor = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    out = sequence_kl(logp, anchor, torch.tensor([[1.0, 1.0]]))
+    assert out.item() == pytest.approx(0.0)  # log 2 - log 2: the two tokens' log-ratios cancel
+    out = sequence_kl(logp, anchor, torch.tensor([[1.0, 0.0]]))  # the second token masked out
+    assert out.item() == pytest.approx(math.log(2))
+    out.sum().backward()
+    # d/d logp of stopgrad(log-ratio) * sum_t mask logp: log 2 on the unmasked token, 0 on the masked one
+    assert torch.allclose(logp.grad, torch.tensor([[math.log(2), 0.0]]))
+    with pytest.raises(ValueError, match="divergence.beta must be > 0 for sequence_kl"):
+        SequenceKL(beta=0.0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from sage.objective.divergences import NoDivergence, ReverseKL, k3
+from sage.objective.divergences import NoDivergence, ReverseKL, SequenceKL, k3
 from sage.objective.guides import BranchGuide, NoGuide, RandomGuide
 from sage.objective.schedules import ConstantSchedule
 from sage.testbed.model import build_tiny_model
@@ -169,6 +169,36 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
     assert shaped._metrics["train"]["divergence"][-1] != pytest.approx(
         plain._metrics["train"]["divergence"][-1], abs=1e-6
     )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sequence_anchor_adds_the_sequence_kl_of_the_shaped_anchor(model_path, tmp_path, loss_type):
+    """divergence=sequence_kl: TRL's policy-gradient loss (beta 0) plus beta times the sequences' mean of
+    sequence_kl(log pi, log pi_ref + log q), scaled for accumulation, whatever the loss type."""
+    beta = 0.05
+    guide = BranchGuide(ratio=0.3, threshold=0.5)
+    none = make(
+        SageGRPOTrainer, model_path, tmp_path / "a", 0.0, loss_type, divergence=NoDivergence(), guide=guide
+    )
+    seq = make(
+        SageGRPOTrainer, model_path, tmp_path / "b", beta, loss_type, divergence=SequenceKL(beta), guide=guide
+    )
+    inputs = fake_inputs(none, seed=2)
+    l_none, g_none = loss_and_grad(none, inputs)
+    l_seq, g_seq = loss_and_grad(seq, inputs)
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        logps, ent, _ = none._get_per_token_logps_and_entropies(none.model, ids, am, 12, compute_entropy=True)
+        mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
+        q = guide(logps=logps, ref_logps=ref, entropies=ent, mask=mask, step=0)
+        per_sequence = ((logps - ref - q.log()) * mask).sum(-1)  # log pi(y) - log m(y)
+    assert (q != 1).any()
+    expected = beta * per_sequence.mean() / 2  # current_gradient_accumulation_steps = 2
+    assert abs(expected.item()) > 1e-4
+    assert (l_seq - l_none).item() == pytest.approx(expected.item(), abs=1e-6)
+    assert not torch.allclose(g_seq, g_none)  # the anchor has a gradient
+    assert seq._metrics["train"]["divergence"][-1] == pytest.approx(per_sequence.mean().item(), abs=1e-5)
 
 
 def test_informative_groups():

@@ -66,6 +66,7 @@ class ReverseKL:
     beta: float
     estimator: Literal["k1", "k2", "k3"] = "k3"
     importance_weighted: bool = False
+    level: ClassVar[str] = "token"
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -93,12 +94,51 @@ class ReverseKL:
                 return k3(logp, ref_logp)
 
 
+def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The reverse pseudo-KL between whole completions, KL~(pi || m) with m(y) = pi_ref(y) * prod_t q_t:
+    (B, T) log-probs and mask -> (B,).
+    VALUE: log pi(y) - log m(y) = sum_t (log pi_t - log m_t), unbiased for sum_y pi log(pi/m) (the
+    pseudo-KL less its constant 1 - sum m).
+    GRADIENT: that of stopgrad(log pi(y)/m(y)) * log pi(y), i.e. E[log(pi/m) grad log pi] = grad KL~(pi||m)
+    exactly (E[grad log pi] = 0). Per token, k3's gradient at a position is -sum_v q(v) pi_ref(v) grad
+    log pi(v): when q_t does not depend on the token v (the branch guide's entropy gate, the random guide's
+    noise) that is q_t times the pull towards pi_ref itself, a per-position strength, and the target stays
+    pi_ref. Here log q enters the return of the whole completion, so the optimum of
+    E[r] - beta KL~(pi || m) is pi ∝ q pi_ref exp(r/beta) (docs/anchors.md; tests/test_divergences.py
+    checks both by exact enumeration)."""
+    log_ratio = ((logp - ref_logp) * mask).sum(-1)
+    surrogate = log_ratio.detach() * (logp * mask).sum(-1)
+    return log_ratio.detach() + (surrogate - surrogate.detach())
+
+
+@dataclass(frozen=True)
+class SequenceKL:
+    """beta * KL~(pi || q pi_ref) over whole completions (``sequence_kl``): the anchor whose optimum is the
+    paper's stationary solution pi ∝ q pi_ref exp(r/beta). On-policy (its gradient assumes the completions
+    were sampled from pi: ``num_iterations`` 1); the trainer averages it over sequences, whatever the loss
+    type's token aggregation."""
+
+    beta: float
+    importance_weighted: ClassVar[bool] = False
+    level: ClassVar[str] = "sequence"
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(
+                f"divergence.beta must be > 0 for sequence_kl (got {self.beta}); use divergence=none"
+            )
+
+    def per_sequence(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return sequence_kl(logp, ref_logp, mask)
+
+
 @dataclass(frozen=True)
 class ForwardKL:
     """beta * KL(q pi_ref || pi): mass-covering anchor (the paper's 'GRPO + forward KL' baseline)."""
 
     beta: float
     importance_weighted: ClassVar[bool] = False
+    level: ClassVar[str] = "token"
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -116,6 +156,7 @@ class NoDivergence:
 
     beta: float = 0.0
     importance_weighted: ClassVar[bool] = False
+    level: ClassVar[str] = "token"
 
     def __post_init__(self) -> None:
         if self.beta != 0:
