@@ -41,6 +41,7 @@ METHOD_NAMES = {
     "bnpo": "BNPO w/o KL",
     "bnpo_branch": "BNPO + Branch",
     "dapo": "DAPO w/o KL",
+    "dapo_kl": "DAPO",
     "dapo_branch": "DAPO + Branch",
 }
 ROW_ORDER = tuple(METHOD_NAMES.values())

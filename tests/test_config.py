@@ -70,7 +70,7 @@ def test_every_group_has_options():
         "qwen2.5-math-1.5b-instruct",
         "qwen2.5-3b-instruct",
     } <= set(options("model"))
-    assert {"grpo", "dapo", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
+    assert {"grpo", "dapo", "dapo_full", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
     assert {"reverse_kl", "none", "forward_kl", "sequence_kl"} == set(options("divergence"))
     assert {"none", "random", "token", "branch"} == set(options("guide"))
     assert {"testbed", "paper"} == set(options("trl"))
@@ -133,12 +133,21 @@ def test_regime_sets_one_learning_rate_and_the_beta_of_every_divergence_that_has
 
 
 def test_grpo_args_map_onto_trl():
-    cfg = cfg_for("algorithm=dapo", "divergence=forward_kl", "trl.max_steps=3", "seed=5")
+    cfg = cfg_for("algorithm=dapo_full", "divergence=forward_kl", "trl.max_steps=3", "seed=5")
     args = grpo_args(cfg, Path("/tmp/x"))
     assert (args.loss_type, args.epsilon_high, args.mask_truncated_completions) == ("dapo", 0.28, True)
     assert args.beta == 0.05 and args.max_steps == 3 and args.per_device_train_batch_size == 64
     assert args.seed == 5 and args.max_completion_length == cfg.model.max_completion_length
     assert args.model_init_kwargs == {"dtype": "float32"} and cfg.filter_zero_variance_groups
+    # algorithm=dapo is what the paper's Table 3 ran: TRL's loss_type=dapo, nothing else of DAPO's recipe
+    paper = cfg_for("algorithm=dapo")
+    args, grpo = grpo_args(paper, Path("/tmp/x")), grpo_args(cfg_for("algorithm=grpo"), Path("/tmp/x"))
+    assert args.loss_type == "dapo" and not paper.filter_zero_variance_groups
+    assert (args.epsilon_high, args.mask_truncated_completions) == (
+        grpo.epsilon_high,
+        grpo.mask_truncated_completions,
+    )
+    assert cfg_for("algorithm=dapo", "filter_zero_variance_groups=true").filter_zero_variance_groups
     args = grpo_args(cfg_for("algorithm=dr_grpo", "divergence=none"), Path("/tmp/x"))
     assert (args.loss_type, args.scale_rewards, args.beta) == ("dr_grpo", "none", 0.0)
     args = grpo_args(cfg_for("algorithm=gspo"), Path("/tmp/x"))
