@@ -126,6 +126,9 @@ def test_regime_sets_one_learning_rate_and_the_beta_of_every_divergence_that_has
         validate(cfg)
         args = grpo_args(cfg, tmp_path)
         assert (args.beta, args.learning_rate) == (beta, 2 * base.trl.learning_rate), experiment
+    for divergence in options("divergence"):  # every option with a beta, a new one too, gets the regime's
+        cfg = cfg_for(f"divergence={divergence}", "regime=anchored")
+        assert cfg.divergence.beta == (0.0 if divergence == "none" else 0.2), divergence
     default = cfg_for("experiment=grpo", "regime=default")
     assert (base.divergence.beta, default.divergence.beta) == (0.05, 0.05)
     cfg = cfg_for("experiment=grpo", "regime=anchored", "divergence.beta=0.1", "trl.learning_rate=3e-4")
