@@ -112,8 +112,10 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 def slurm_jobs(sweep_dir: Path) -> list[str]:
-    """Array job ids submitit used for this sweep (its folders are named after them)."""
-    return sorted({p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit()})
+    """Array job ids submitit used for this sweep (its folders are named after them; the pickles submitit
+    writes there before submitting are named by a uuid, which may start with a digit too)."""
+    folders = (p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if p.is_dir())
+    return sorted({name for name in folders if name.isdigit()})
 
 
 def sacct_states(env: dict[str, str], job_id: str) -> dict[str, str]:
