@@ -6,14 +6,10 @@ A command runs for real unless it needs what this machine does not have; those a
 ``--cfg job`` (every group, key and type checked, nothing run), and the reason is named in
 ``COMPOSE_ONLY``. Sweeps are shrunk by overriding their grid or trial count, never by editing the command.
 A README command that no rule here covers fails the test, so a new one cannot go untested.
-
-The commands that need a service (the SLURM cluster, PostgreSQL) run in one test, on the integration tests'
-worker; the others, in README order as one workflow, in another, which any worker may take.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -22,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -108,41 +104,19 @@ def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
     return r
 
 
-def needs_services(command: str) -> bool:
-    """A command that talks to the SLURM cluster or to PostgreSQL (a command only composed talks to none)."""
-    if any(k in command for k in COMPOSE_ONLY) and "sage.train.memory" not in command:
-        return False
-    return "hydra/launcher=slurm" in command or "postgresql" in command
-
-
-def test_every_readme_command_without_a_service_runs(tmp_path):
-    ran = run_commands([c for c in readme_commands() if not needs_services(c)], tmp_path, {})
-    assert len(ran) >= 15, ran
-
-
-@pytest.mark.integration
-def test_every_readme_command_on_the_cluster_runs(tmp_path, slurm_cluster, postgres_url):
-    ran = run_commands(
-        [c for c in readme_commands() if needs_services(c)], tmp_path, slurm_cluster, postgres_url
-    )
-    assert len(ran) >= 4, ran
-
-
-def run_commands(commands: list[str], tmp_path: Path, services: dict, postgres_url: str | None = None):
-    """Run ``commands`` (README lines) in order on one MLflow store; returns the ones run here."""
+def test_every_readme_command_runs(tmp_path, slurm_cluster, postgres_url):
     env = {
-        **(services or os.environ),
+        **slurm_cluster,
         "HF_HUB_OFFLINE": "1",
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     quick = tmp_path / "quick"
     ran = []
-    for command in commands:
+    for command in readme_commands():
         command = command.replace("/tmp/quick", str(quick)).replace(
             "outputs/<run>/final", str(quick / "final")
         )
-        if postgres_url is not None:
-            command = re.sub(r"postgresql\+psycopg://\S+", postgres_url, command)
+        command = re.sub(r"postgresql\+psycopg://\S+", postgres_url, command)
         if any(command.startswith(c) for c in ELSEWHERE):
             continue
         args = shlex.split(command)
@@ -205,4 +179,4 @@ def run_commands(commands: list[str], tmp_path: Path, services: dict, postgres_u
         else:
             pytest.fail(f"README command not covered by tests/integration/test_readme.py: {command}")
         ran.append(command)
-    return ran
+    assert len(ran) >= 15, ran
