@@ -276,6 +276,7 @@ def difference_table(
     interval are one family of comparisons: Holm's correction marks the ones that survive it, and the notes
     say so, with the smallest difference each column could detect."""
     pooled = [r for r in (*rows, reference) if not r.startswith("base")]
+    noise: dict[tuple[str, int, int], bootstrap.SeedNoise | None] = {}  # one pool per column, not per cell
     out = []
     for row in rows:
         cells: list[tables.Cell] = []
@@ -292,10 +293,13 @@ def difference_table(
                 continue
             a, seeds = pv.values(row, ds, [k])
             b, ref_seeds = pv.values(reference, ds, [k])
+            column = (ds, k, shapes[0][0])
+            if column not in noise:
+                noise[column] = pv.seed_noise(pooled, ds, k, problems=shapes[0][0])
             interval = bootstrap.difference(
                 a[..., 0],
                 b[..., 0],
-                pv.seed_noise(pooled, ds, k, problems=shapes[0][0]),
+                noise[column],
                 ref_is_base=reference.startswith("base"),
             )
             cells.append(Diff(interval, len(seeds), len(ref_seeds), len(asked)))
