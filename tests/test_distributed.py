@@ -4,7 +4,7 @@ prompts per optimiser step as the same run on one process."""
 
 import json
 import os
-import random
+import secrets
 import re
 import shutil
 import subprocess
@@ -17,6 +17,14 @@ import pytest
 from sage.paths import cache_dir
 
 BATCH = re.compile(r"^batch: .*$", re.MULTILINE)
+
+
+def fresh_seed() -> int:
+    """A seed no earlier run used, so that the cache entries it keys (an SFT stage, a base-model evaluation
+    cell) are built by this test. Drawn from the OS, not from ``random``: in-process tests seed the global RNG
+    (transformers.set_seed), after which ``random`` gives every run of the suite the same "fresh" seed, and a
+    cache kept from an earlier run holds it already."""
+    return 10**6 + secrets.randbelow(9 * 10**6)
 
 
 def sage_train(tmp_path: Path, *overrides: str, processes: int) -> subprocess.CompletedProcess:
@@ -41,7 +49,7 @@ def test_torchrun_two_processes_record_once(tmp_path):
     from mlflow import MlflowClient
 
     # a fresh SFT stage (its own data seed), so that this run trains and merges it
-    sft_seed = random.randrange(10**6, 10**7)
+    sft_seed = fresh_seed()
     common = [
         "model=tiny_sft",
         f"model.sft.data.seed={sft_seed}",
@@ -263,7 +271,7 @@ def test_periodic_evaluation_of_two_processes_is_logged_once_with_the_merged_num
     from mlflow import MlflowClient
 
     out = tmp_path / "run"
-    seed = random.randrange(10**6, 10**7)  # a base-model cell of its own (the base cells are shared)
+    seed = fresh_seed()  # a base-model cell of its own (the base cells are shared)
     shares = f"eval.n_samples=8 eval.every_n_samples=8 eval.ks=[1,8] eval.seeds=[{seed}] seed={seed}".split()
     r = sage_train(
         tmp_path,
