@@ -4,8 +4,8 @@ prompts per optimiser step as the same run on one process."""
 
 import json
 import os
-import secrets
 import re
+import secrets
 import shutil
 import subprocess
 import sys
