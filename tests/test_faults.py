@@ -23,13 +23,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from sage.config import ConfigError, check_eval, exit_on_config_error, full_disk, register_configs, validate
+from sage.config import ConfigError, check_eval, exit_on_config_error, full_disk, validate
 from sage.eval.checkpoint import check_prompt_format
-from sage.eval.main import EvaluateConfig  # noqa: F401  (registers sage-eval's schema, base_evaluate)
+from sage.eval.main import register_evaluate_configs
 from sage.tracking import RUN_ID_FILE, check_store, open_store
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-register_configs()
+register_evaluate_configs()  # sage-eval's schema (base_evaluate) and the groups'
 
 
 def compose_cfg(config: str, *overrides: str):

@@ -53,7 +53,9 @@ def compose(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import sage.train.main  # noqa: F401  (registers the schemas)
+    from sage.config import register_configs
+
+    register_configs()
 
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return hydra_compose("train", overrides=list(overrides))

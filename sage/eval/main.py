@@ -56,8 +56,10 @@ class EvaluateConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-register_configs()
-ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
+def register_evaluate_configs() -> None:
+    """sage-eval's schemas (see sage.train.main.main for why not at import)."""
+    register_configs()
+    ConfigStore.instance().store(name="base_evaluate", node=EvaluateConfig)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
@@ -174,6 +176,7 @@ def perplexity_base(cfg: DictConfig, model_path: str) -> str | None:
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    register_evaluate_configs()  # a multirun job runs this function without main(); instantiation needs them
     # finished cells are kept and never sampled again; sage-eval has no resume key (it always continues)
     exit_on_config_error(evaluate, cfg, rerun="the same command samples only the missing cells")
 
@@ -181,6 +184,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     reap_on_exit()  # a killed run's vLLM engine processes die with it
+    register_evaluate_configs()
     _hydra_main()
 
 

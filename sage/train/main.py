@@ -48,7 +48,6 @@ from sage.run_folder import (
 from sage.tracking import check_store, point_eval_run_at, start_run
 
 log = logging.getLogger("sage.train.main")
-register_configs()
 
 
 def build_parts(cfg: DictConfig):
@@ -463,12 +462,17 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
     """Returns every metric of the run; a sweeper picks its objectives from them by name."""
+    register_configs()  # a grid job (submitit) runs this function without main(); instantiation needs them
     return exit_on_config_error(train, cfg)
 
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     reap_on_exit()  # a killed run's vLLM engine processes die with it
+    # Registered here, not at import: the schemas mirror TRL's and peft's config classes, whose import loads
+    # torch and transformers, and every process that multiprocessing spawns (the grading workers) imports
+    # this module again as its __main__.
+    register_configs()
     _hydra_main()
 
 
