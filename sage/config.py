@@ -332,6 +332,7 @@ def register_configs() -> None:
         ("guide", "base_random", schema_of(guides.RandomGuide, runtime=("schedule",), partial=True)),
         ("guide", "base_token", schema_of(guides.TokenGuide, runtime=("schedule",), partial=True)),
         ("guide", "base_branch", schema_of(guides.BranchGuide)),
+        ("guide", "base_fork", schema_of(guides.ForkGuide)),
         ("schedule", "base_constant", schema_of(schedules.ConstantSchedule)),
         (
             "schedule",
@@ -363,6 +364,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
             "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
+        )
+    world = OmegaConf.select(cfg, "model.source.world", default=None)
+    if cfg.guide._target_ == "sage.objective.guides.ForkGuide" and world != "fork":
+        raise ConfigError(
+            f"guide=fork acts at the strategy markers of the testbed's fork world; model.source.world is "
+            f"{world}: use model=tiny_fork"
         )
     if cfg.divergence._target_ == "sage.objective.divergences.SequenceKL" and cfg.trl.num_iterations != 1:
         raise ConfigError(

@@ -300,7 +300,7 @@ def test_graded_teacher_follows_its_tier_and_strategy_rule() -> None:
 
 
 def test_the_world_is_part_of_the_build_key_and_arith_keeps_the_old_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="model.source.world must be one of arith, graded, got 'flat'"):
+    with pytest.raises(ConfigError, match="model.source.world must be one of arith, graded, fork, got 'fl"):
         build_tiny_model(**TINY, world="flat", cache_dir=str(tmp_path))
     arith = Path(build_tiny_model(**TINY, world="arith", cache_dir=str(tmp_path)))
     graded = Path(build_tiny_model(**TINY, cache_dir=str(tmp_path)))

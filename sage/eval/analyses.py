@@ -24,7 +24,15 @@ import numpy as np
 import torch
 
 from sage.eval.sampling import prompt_texts
-from sage.testbed.task import STRATEGIES, classify_strategy
+from sage.testbed.task import (
+    FORK_MARKERS,
+    FORK_STRATEGIES,
+    RARE_STRATEGY,
+    STRATEGIES,
+    TIERS,
+    classify_strategy,
+    problem_tier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,7 @@ PATTERNS: dict[str, re.Pattern[str]] = {
     ),
 }
 STRATEGY_NAMES = (*STRATEGIES, "other")
+FORK_STRATEGY_NAMES = (*FORK_STRATEGIES, "other")
 
 
 def pattern_frequency(
@@ -69,11 +78,15 @@ def pattern_frequency(
 
 
 def strategy_mix(completions: Sequence[Sequence[str]]) -> dict[str, float]:
-    """Fraction of ALL samples (right or wrong) following each testbed strategy; sums to 1."""
-    flat = [classify_strategy(t) for texts in completions for t in texts]
-    if not flat:
+    """Fraction of ALL samples (right or wrong) following each testbed strategy; sums to 1. The fork
+    world's six strategies when any sample announces one (a fork-world model writes its marker first),
+    else the first worlds' three: each world's runs keep one set of keys."""
+    texts = [t for group in completions for t in group]
+    if not texts:
         raise ValueError("strategy_mix: no completions")
-    return {s: flat.count(s) / len(flat) for s in STRATEGY_NAMES}
+    fork = any(marker in t for t in texts for marker in FORK_MARKERS.values())
+    flat = [classify_strategy(t) for t in texts]
+    return {s: flat.count(s) / len(flat) for s in (FORK_STRATEGY_NAMES if fork else STRATEGY_NAMES)}
 
 
 # Bounds on what one step of the perplexity computation holds, so that a 7B model's 152k-token vocabulary
@@ -177,12 +190,51 @@ def load_base(path: str, dtype: str):
     return model.to("cuda") if torch.cuda.is_available() else model, tokenizer
 
 
-def sample_analyses(result: dict) -> dict[str, float]:
+def sample_analyses(result: dict, rows: list[dict] | None = None) -> dict[str, float]:
     """Pattern frequencies (``pattern/<name>``) and strategy mix (``strategy/<name>``) of one dataset's
-    evaluation result (its first seed's completions and correctness, row-aligned)."""
+    evaluation result (its first seed's completions and correctness, row-aligned), and given its ``rows``,
+    the testbed's figures by tier (:func:`tier_figures`, over every seed)."""
     completions, correct = result["completions"][0], result["correct"][0]
     out = {f"pattern/{name}": pattern_frequency(completions, correct, rx) for name, rx in PATTERNS.items()}
     out |= {f"strategy/{name}": v for name, v in strategy_mix(completions).items()}
+    if rows is not None:
+        for seed_completions, seed_correct in zip(result["completions"], result["correct"], strict=True):
+            for name, value in tier_figures(rows, seed_completions, seed_correct).items():
+                out[name] = out.get(name, 0.0) + value / len(result["correct"])
+    return out
+
+
+TESTBED_PROBLEM = re.compile(r"(\d+)\*(\d+)\+(\d+)=")
+
+
+def tier_figures(
+    rows: list[dict], completions: Sequence[Sequence[str]], correct: np.ndarray
+) -> dict[str, float]:
+    """The testbed's held-out problems by tier (``sage.testbed.task.problem_tier``): pass@1 and pass@n
+    (n: the samples per problem) of each tier, ``tier/<tier>/pass@<k>``, and in the fork world the share
+    of the rare strategy among each tier's samples, ``rare_share/<tier>``: whether a method finds (or
+    keeps) the one strategy that solves tail problems. The world is the fork world when any sample
+    announces a fork strategy. {} for rows that are not testbed problems (a math benchmark)."""
+    from sage.metrics import pass_at_k_curve
+
+    parsed = [TESTBED_PROBLEM.fullmatch(r["problem"]) for r in rows]
+    if not rows or not all(parsed):
+        return {}
+    correct = np.asarray(correct, dtype=bool)
+    texts = [t for group in completions for t in group]
+    world = "fork" if any(m in t for t in texts for m in FORK_MARKERS.values()) else "graded"
+    tiers = np.array([problem_tier(world, int(m[1]), int(m[2])) for m in parsed])
+    n = correct.shape[1]
+    out: dict[str, float] = {}
+    for tier in TIERS:
+        chosen = tiers == tier
+        if not chosen.any():
+            continue
+        curve = pass_at_k_curve(correct[chosen], sorted({1, n}))
+        out |= {f"tier/{tier}/pass@{k}": v for k, v in curve.items()}
+        if world == "fork":
+            used = [classify_strategy(t) for i in np.flatnonzero(chosen) for t in completions[i]]
+            out[f"rare_share/{tier}"] = used.count(RARE_STRATEGY) / len(used)
     return out
 
 
@@ -239,4 +291,4 @@ def log_analyses(
     model = load_base(base, dtype) if todo else None
     for ds, result in results.items():
         ppl = perplexities(model, rows_by_dataset[ds], result, chat=chat, cap=cap) if ds in todo else None
-        tracker.log_analyses(label, ds, sample_analyses(result), ppl)
+        tracker.log_analyses(label, ds, sample_analyses(result, rows_by_dataset[ds]), ppl)

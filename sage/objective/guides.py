@@ -10,7 +10,9 @@ generation batch was generated at; it also sets the schedule's position), ``rank
 function of (seed, step, rank, micro): a resumed run draws what an uninterrupted one draws, processes
 draw different noise, and a micro-batch seen again (``num_iterations > 1``) gets the same q.
 
-Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T).
+Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T). ``fork`` (B, T), when
+the model's vocabulary has the testbed fork world's strategy markers, marks the tokens that choose a
+strategy; only the fork guide (a control, not a method) reads it.
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ def branch_q(entropies: torch.Tensor, ratio: float, threshold: float) -> torch.T
 class NoGuide:
     """q == 1: the anchor is pi_ref itself (plain GRPO / forward-KL baselines)."""
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
         return torch.ones_like(logps)
 
     def params(self, step: int) -> dict[str, float]:
@@ -160,7 +164,9 @@ class RandomGuide:
             "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
         }
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
         p = self.params(step)
         noise = noise_generator(self.seed, step, rank, micro)
         return finalize(random_q(mask, p["eps"], p["sigma"], noise), mask, self.q_min, self.q_max)
@@ -195,7 +201,9 @@ class TokenGuide:
             "sigma": self.schedule(self.sigma_start, self.sigma_end, step),
         }
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
         p = self.params(step)
         source = ref_logps if self.source == "ref" else logps
         if source is None:
@@ -224,7 +232,31 @@ class BranchGuide:
     def params(self, step: int) -> dict[str, float]:
         return {"ratio": self.ratio, "threshold": self.threshold}
 
-    def __call__(self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0):
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
         return finalize(
             branch_q(entropies.detach(), self.ratio, self.threshold), mask, self.q_min, self.q_max
         )
+
+
+@dataclass
+class ForkGuide:
+    """A control, not a method: q = ``q`` exactly at the tokens where the testbed's fork world chooses a
+    strategy (``fork``), 1 elsewhere. It is what an oracle that knew where exploration is decided would do
+    at the paper's clamp: if it does not move the outcome, no guide of that size can in this world."""
+
+    q: float = 1.4
+
+    def __post_init__(self) -> None:
+        check_range("q", self.q, 1e-6)
+
+    def params(self, step: int) -> dict[str, float]:
+        return {"q": self.q}
+
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
+        if fork is None:
+            raise ValueError("guide=fork needs a model of the testbed's fork world (model=tiny_fork)")
+        return torch.where(fork.bool() & mask.bool(), torch.full_like(logps, self.q), torch.ones_like(logps))

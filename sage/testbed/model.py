@@ -27,7 +27,12 @@ from sage.config import ConfigError
 from sage.testbed.task import (
     DEFAULT_SLIP_RATE,
     DEFAULT_STRATEGY_PROBS,
+    FORK_MARKERS,
+    FORK_PRIOR,
+    FORK_RULES,
+    FORK_STRATEGIES,
     GRADED_RULES,
+    STRATEGIES,
     WORLDS,
     make_problems,
     teacher_completion,
@@ -61,7 +66,7 @@ def build_tiny_model(
     lr: float = 2e-3,
     warmup_steps: int = 30,
     n_train_problems: int = 20000,
-    strategy_probs: tuple[float, float, float] = DEFAULT_STRATEGY_PROBS,
+    strategy_probs: tuple[float, ...] | None = None,
     slip_rate: float = DEFAULT_SLIP_RATE,
     seed: int = 0,
     chat: bool = False,
@@ -77,9 +82,19 @@ def build_tiny_model(
     taught the chat format by the SFT stage.
 
     ``world``: the teacher's world (:data:`sage.testbed.task.WORLDS`); ``graded`` is ``model=tiny``'s,
-    ``arith`` the first testbed's (``model=tiny_arith``, ``tiny_sft``, ``tiny_chat``)."""
+    ``arith`` the first testbed's (``model=tiny_arith``, ``tiny_sft``, ``tiny_chat``), ``fork``
+    ``model=tiny_fork``'s. ``strategy_probs``: the teacher's strategy mix; None: the world's
+    (:data:`~sage.testbed.task.FORK_PRIOR` in the fork world, else ``DEFAULT_STRATEGY_PROBS``)."""
     if world not in WORLDS:
         raise ConfigError(f"model.source.world must be one of {', '.join(WORLDS)}, got {world!r}")
+    if strategy_probs is None:
+        strategy_probs = FORK_PRIOR if world == "fork" else DEFAULT_STRATEGY_PROBS
+    n_strategies = len(FORK_STRATEGIES if world == "fork" else STRATEGIES)
+    if len(strategy_probs) != n_strategies:
+        raise ConfigError(
+            f"model.source.strategy_probs: world {world} has {n_strategies} strategies, "
+            f"got {list(strategy_probs)}"
+        )
     config = {
         "format_version": BUILD_FORMAT_VERSION,
         "hidden_size": hidden_size,
@@ -100,7 +115,7 @@ def build_tiny_model(
         config["chat"] = True
     if world != "arith":  # its rules too: a change of the graded teacher is a new base model
         config["world"] = world
-        config["world_rules"] = GRADED_RULES
+        config["world_rules"] = FORK_RULES if world == "fork" else GRADED_RULES
     root = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
@@ -212,7 +227,8 @@ def _torch_threads(n: int) -> Iterator[None]:
 def _train(config: dict) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, float]:
     rng = random.Random(config["seed"])
     torch.manual_seed(config["seed"])
-    tokenizer = build_tokenizer(chat=config.get("chat", False))
+    markers = tuple(FORK_MARKERS.values()) if config.get("world") == "fork" else ()
+    tokenizer = build_tokenizer(chat=config.get("chat", False), markers=markers)
     model = make_model(config, tokenizer)
     log.info("training testbed model: %d params, config %s", model.num_parameters(), config)
     examples = _teacher_examples(config, tokenizer, rng)

@@ -36,10 +36,11 @@ DEFAULT_STRATEGY_PROBS = (0.8, 0.15, 0.05)
 DEFAULT_SLIP_RATE = 0.04
 """Each slip corrupts exactly one digit and propagates, so this is also the teacher's error rate."""
 
-WORLDS = ("arith", "graded")
+WORLDS = ("arith", "graded", "fork")
 """``arith``: every strategy is as reliable on every problem (one slip rate), the world of the first
 testbed results. ``graded``: how reliable a strategy is depends on the problem's tier (:func:`tier_of`),
-so that collapsing onto the dominant strategy loses problems only a rare one solves."""
+so that collapsing onto the dominant strategy loses problems only a rare one solves. ``fork``: graded, with
+the strategy chosen at one token (:data:`FORK_MARKERS`) among six, the world of the fair test of SAGE."""
 TIERS = ("easy", "hard", "tail")
 CARRY = "carry"
 """A systematic error instead of a slip rate: the strategy drops the carry of the units product (47*8 is
@@ -56,6 +57,25 @@ GRADED_RULES: dict[str, dict[str, float | str]] = {
     "tail": {"direct": CARRY, "split": CARRY, "round": 0.9},
 }
 """The teacher of the graded world, by tier and strategy: a slip probability, or :data:`CARRY`."""
+
+FORK_STRATEGIES = ("direct", "split", "cfirst", "double", "ctens", "round")
+FORK_PRIOR = (0.45, 0.2, 0.15, 0.1, 0.05, 0.05)
+"""The fork world's teacher picks a strategy with these probabilities on every problem, whatever its tier:
+about 1.5 nats at the fork, above the branch guide's threshold, so that Branch acts where the strategy is
+chosen (in the graded world that choice is a 95/5 split of at most 0.2 nats, below it by construction)."""
+FORK_MARKERS = {name: f"<{name}>" for name in FORK_STRATEGIES}
+"""The first token of a fork-world trace after the work tag: the strategy, decided in one token (the fork)
+and written before any arithmetic, as a model states its plan."""
+RARE_STRATEGY = "round"
+"""The fork world's rare strategy that alone solves tail problems (and seldom): the one whose share on tail
+prompts says whether a method kept or found it."""
+FORK_RULES: dict[str, dict[str, float | str]] = {
+    "easy": dict.fromkeys(FORK_STRATEGIES, 0.04),
+    # the one-shot product (direct, cfirst, ctens) drops its carry on larger multipliers
+    "hard": {"direct": CARRY, "split": 0.04, "cfirst": CARRY, "double": 0.04, "ctens": CARRY, "round": 0.04},
+    "tail": {**dict.fromkeys(FORK_STRATEGIES, CARRY), RARE_STRATEGY: 0.9},
+}
+"""The teacher of the fork world, by tier and strategy (as :data:`GRADED_RULES`)."""
 
 
 SPLITS = ("train", "heldout")
@@ -79,13 +99,26 @@ def tier_of(b: int) -> str:
     return "easy" if b <= 5 else "hard" if b <= 7 else "tail"
 
 
-def rule_of(world: str, strategy: str, b: int, slip_rate: float = DEFAULT_SLIP_RATE) -> float | str:
-    """The teacher's rule for ``strategy`` on a problem with multiplier ``b``: a slip probability, or
-    :data:`CARRY`."""
+def problem_tier(world: str, a: int, b: int) -> str:
+    """The tier of problem ``a*b+c`` in ``world``. In the fork world a problem whose units product has no
+    carry (``a % 10 * b < 10``) is easy whatever its multiplier: every strategy solves it, so a tail
+    problem is one that only the rare strategy solves. The model sees both digits in its prompt."""
+    if world == "fork" and a % 10 * b < 10:
+        return "easy"
+    return tier_of(b)
+
+
+def rule_of(
+    world: str, strategy: str, b: int, slip_rate: float = DEFAULT_SLIP_RATE, a: int = 0
+) -> float | str:
+    """The teacher's rule for ``strategy`` on problem ``a*b+c``: a slip probability, or :data:`CARRY`
+    (``a`` counts in the fork world only)."""
     if world == "arith":
         return slip_rate
     if world == "graded":
         return GRADED_RULES[tier_of(b)][strategy]
+    if world == "fork":
+        return FORK_RULES[problem_tier(world, a, b)][strategy]
     raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
 
 
@@ -164,8 +197,37 @@ def _round(a: int, b: int, c: int, w: _Scribe) -> int:
     return w(w(high, "-", low), "+", c)
 
 
-_STRATEGY_FNS = {"direct": _direct, "split": _split, "round": _round}
-_N_STEPS = {"direct": 2, "split": 4, "round": 4}
+def _carried(a: int, b: int) -> int:
+    """``a*b`` without the carry of its units product (see :data:`CARRY`)."""
+    return a * b - a % 10 * b // 10 * 10
+
+
+def _cfirst(a: int, b: int, c: int, w: _Scribe) -> int:
+    product = w.product(a, b, _carried(a, b)) if w.drop_carry else w(a, "*", b)
+    return w(c, "+", product)
+
+
+def _double(a: int, b: int, c: int, w: _Scribe) -> int:
+    """``a*(b-1) + a``: one multiple fewer, then one more."""
+    fewer = w.product(a, b - 1, _carried(a, b - 1)) if w.drop_carry else w(a, "*", b - 1)
+    return w(w(fewer, "+", a), "+", c)
+
+
+def _ctens(a: int, b: int, c: int, w: _Scribe) -> int:
+    """``a*b``, then ``c`` added in tens and units."""
+    product = w.product(a, b, _carried(a, b)) if w.drop_carry else w(a, "*", b)
+    return w(w(product, "+", c // 10 * 10), "+", c % 10)
+
+
+_STRATEGY_FNS = {
+    "direct": _direct,
+    "split": _split,
+    "round": _round,
+    "cfirst": _cfirst,
+    "double": _double,
+    "ctens": _ctens,
+}
+_N_STEPS = {"direct": 2, "split": 4, "round": 4, "cfirst": 2, "double": 3, "ctens": 3}
 
 
 def teacher_completion(
@@ -173,7 +235,7 @@ def teacher_completion(
     b: int,
     c: int,
     rng: random.Random,
-    strategy_probs: tuple[float, float, float] = DEFAULT_STRATEGY_PROBS,
+    strategy_probs: tuple[float, ...] = DEFAULT_STRATEGY_PROBS,
     slip_rate: float = DEFAULT_SLIP_RATE,
     world: str = "arith",
 ) -> tuple[str, str]:
@@ -185,8 +247,13 @@ def teacher_completion(
     later value negative is redrawn, keeping every trace in the format :func:`classify_strategy`
     recognises.
     """
-    strategy = rng.choices(STRATEGIES, weights=strategy_probs)[0]
-    rule = rule_of(world, strategy, b, slip_rate)
+    names = FORK_STRATEGIES if world == "fork" else STRATEGIES
+    if len(strategy_probs) != len(names):
+        raise ValueError(
+            f"world {world!r} has {len(names)} strategies {names}; got probabilities {strategy_probs}"
+        )
+    strategy = rng.choices(names, weights=strategy_probs)[0]
+    rule = rule_of(world, strategy, b, slip_rate, a)
     drop_carry = rule == CARRY
     slip_at = None if drop_carry else rng.randrange(_N_STEPS[strategy]) if rng.random() < rule else None
     while True:
@@ -195,6 +262,8 @@ def teacher_completion(
         if min(scribe.values) >= 0:
             break
     work = " ".join(scribe.lines)
+    if world == "fork":
+        work = FORK_MARKERS[strategy] + work
     return f"{WORK_START}{work}{WORK_END}{SOLUTION_START}{answer}{SOLUTION_END}", strategy
 
 
@@ -202,6 +271,12 @@ _STRATEGY_PATTERNS = {
     "direct": re.compile(r"\d+\*\d=\d+ \d+\+\d+=\d+"),
     "split": re.compile(r"\d0\*\d=\d+ \d\*\d=\d+ \d+\+\d+=\d+ \d+\+\d+=\d+"),
     "round": re.compile(r"\d+0\*\d=\d+ \d+\*\d=\d+ \d+-\d+=\d+ \d+\+\d+=\d+"),
+}
+_FORK_PATTERNS = {
+    **_STRATEGY_PATTERNS,
+    "cfirst": _STRATEGY_PATTERNS["direct"],  # told from direct by its marker (the addends' order aside)
+    "double": re.compile(r"\d+\*\d=\d+ \d+\+\d+=\d+ \d+\+\d+=\d+"),
+    "ctens": re.compile(r"\d+\*\d=\d+ \d+\+\d0=\d+ \d+\+\d=\d+"),
 }
 _WORK_RE = re.compile(re.escape(WORK_START) + r"(.*?)" + re.escape(WORK_END), re.DOTALL)
 
@@ -216,6 +291,12 @@ def classify_strategy(completion: str) -> str:
     if match is None:
         return "other"
     work = match.group(1).strip()
+    for (
+        name,
+        marker,
+    ) in FORK_MARKERS.items():  # a fork-world trace: the strategy it announced, if it kept to it
+        if work.startswith(marker):
+            return name if _FORK_PATTERNS[name].fullmatch(work[len(marker) :]) else "other"
     for name, pattern in _STRATEGY_PATTERNS.items():
         if pattern.fullmatch(work):
             return name

@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
 generation stops at the end of the assistant's turn as it does for Qwen2.5-Math-7B."""
 
 
-def build_tokenizer(chat: bool = False) -> Qwen2Tokenizer:
+def build_tokenizer(chat: bool = False, markers: tuple[str, ...] = ()) -> Qwen2Tokenizer:
     """A fresh tokenizer; deterministic, so the vocabulary ids are the same on every build. ``chat``: the
     ChatML variant (letters, ``<|im_start|>``/``<|im_end|>`` special tokens, ``<|im_end|>`` as eos, a
     chat template); the plain vocabulary's ids are unchanged.
@@ -46,6 +46,9 @@ def build_tokenizer(chat: bool = False) -> Qwen2Tokenizer:
     characters would lose every space and newline on the way (the byte-level pre-tokenizer turns a space
     into a symbol it would not find). Built as that class, the tokenizer the base model is trained with is
     the one everything else reads. A character outside the vocabulary has no token: the task writes none.
+
+    ``markers``: more one-token tags after the format tags (the fork world's strategy markers), added the
+    same way, so that the vocabulary of a world without them is unchanged.
 
     No BOS is added automatically: TRL tokenizes the prompt and the completion separately, and an
     automatic BOS would be inserted wherever anyone tokenizes a piece of completion text.
@@ -64,7 +67,7 @@ def build_tokenizer(chat: bool = False) -> Qwen2Tokenizer:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*TAGS, *markers)])
     if chat:
         tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

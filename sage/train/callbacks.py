@@ -12,6 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from sage import distributed
+from sage.eval.analyses import tier_figures
 from sage.metrics import metric_name, pass_at_k_curve
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 class PeriodicEval(TrainerCallback):
     """Every ``every`` optimiser steps: ``settings.n_samples`` samples per held-out problem from the model
     being trained; pass@1 and pass@n go to MLflow as ``pass_at_<k>/periodic/<dataset>`` at that step
-    and to ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
+    (with, on the testbed, the figures by tier of ``sage.eval.analyses.tier_figures``) and to
+    ``<out>/periodic_eval.json``. The global torch RNG is restored afterwards, so evaluating does
     not change the training samples. The step's metrics are then handed to the ``on_evaluate`` of each of
     ``callbacks`` (the run's ``callbacks`` node), as a trainer hands its own evaluation's metrics.
 
@@ -64,7 +66,7 @@ class PeriodicEval(TrainerCallback):
             for name, rows in self.rows_by_dataset.items():
                 merged = sample_cell(sampler, processing_class, rows, self.settings, self.pool)
                 if merged is not None:  # the main process
-                    matrices[name] = merged[0]
+                    matrices[name] = merged
         finally:
             model.train(was_training)
             torch.set_rng_state(rng)
@@ -72,7 +74,7 @@ class PeriodicEval(TrainerCallback):
             return
         metrics: dict[str, float] = {}
         n = self.settings.n_samples
-        for name, correct in matrices.items():
+        for name, (correct, completions) in matrices.items():
             curve = pass_at_k_curve(correct, [1, n])
             self.records.append(
                 {
@@ -87,6 +89,9 @@ class PeriodicEval(TrainerCallback):
                 metric_name("periodic", name, "pass@1"): curve[1],
                 metric_name("periodic", name, f"pass@{n}"): curve[n],
             }
+            # on the testbed, by tier: the rare strategy's share on tail problems over training
+            tiers = tier_figures(self.rows_by_dataset[name], completions, correct)
+            step_metrics |= {metric_name("periodic", name, k): v for k, v in tiers.items()}
             metrics.update(step_metrics)
             if self.tracker is not None:
                 self.tracker.log_metrics(step_metrics, step=state.global_step)

@@ -38,7 +38,8 @@ advantages, the reference model and what a checkpoint holds are TRL's.
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
 all SAGE variants), ``divergence`` (the shaped term actually optimised, before beta), ``guide/q_mean``,
 ``guide/q_min``, ``guide/q_max``, ``guide/active_frac`` (share of completion tokens with q != 1) and the
-guide's current hyperparameters.
+guide's current hyperparameters; with a model of the testbed's fork world, ``guide/q_fork`` and
+``guide/active_frac_fork``, the same at the tokens that choose a strategy (passed to the guide as ``fork``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from trl import GRPOTrainer
 
 from sage.objective.aggregation import aggregate, informative_groups, total_rewards
 from sage.objective.divergences import k3
+from sage.testbed.task import FORK_MARKERS
 from sage.train.weight_sync import sync_out_of_place
 
 
@@ -90,6 +92,12 @@ class SageGRPOTrainer(GRPOTrainer):
         self._eval_batch = (-1, -1)  # (step, index) of the last evaluation batch
         self._staging: Path | None = None  # the temporary folder a checkpoint is being saved in
         super().__init__(*args, **kwargs)
+        # the fork world's strategy markers in this model's vocabulary (none in any other model): where q is
+        # logged apart, and what guide=fork reads
+        vocab = self.processing_class.get_vocab()
+        self._fork_ids = torch.tensor(
+            [vocab[m] for m in FORK_MARKERS.values() if m in vocab], dtype=torch.long
+        )
         if self.beta != divergence.beta:
             raise ValueError(f"GRPOConfig.beta={self.beta} differs from divergence.beta={divergence.beta}")
         if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
@@ -238,6 +246,9 @@ class SageGRPOTrainer(GRPOTrainer):
         # under accumulation.
         step, micro = self._batch_id or (self.state.global_step, 0)
         mode = "train" if self.model.training else "eval"
+        fork = None
+        if len(self._fork_ids):
+            fork = torch.isin(inputs["completion_ids"], self._fork_ids.to(mask.device)) & mask.bool()
         with torch.no_grad():
             q = self.guide(
                 logps=logps.detach(),
@@ -247,8 +258,9 @@ class SageGRPOTrainer(GRPOTrainer):
                 step=step,
                 rank=self.accelerator.process_index,
                 micro=micro,
+                fork=fork,
             )
-        self._log_guide(q, mask, step, mode)
+        self._log_guide(q, mask, step, mode, fork)
         if beta == 0.0:
             return loss
         if self.divergence.level == "sequence":
@@ -297,7 +309,7 @@ class SageGRPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-    def _log_guide(self, q: torch.Tensor, mask: torch.Tensor, step: int, mode: str) -> None:
+    def _log_guide(self, q: torch.Tensor, mask: torch.Tensor, step: int, mode: str, fork=None) -> None:
         valid = mask.bool()
         qv = q[valid]
         if qv.numel() == 0:
@@ -307,5 +319,8 @@ class SageGRPOTrainer(GRPOTrainer):
         m["guide/q_min"].append(qv.min().item())
         m["guide/q_max"].append(qv.max().item())
         m["guide/active_frac"].append((qv != 1.0).float().mean().item())
+        if fork is not None and fork.any():  # where the fork world decides: does the guide act there?
+            m["guide/q_fork"].append(q[fork].mean().item())
+            m["guide/active_frac_fork"].append((q[fork] != 1.0).float().mean().item())
         for name, value in self.guide.params(step).items():
             m[f"guide/{name}"].append(value)
