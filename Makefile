@@ -89,13 +89,21 @@ TABLE4_NEEDS = reproduce-table4: its cosine rows are Table 1's guided runs; run 
 TABLE4_REFERENCE = "GRPO + Branch [schedule=cosine]"
 TABLE6_ARGS = -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMMON) \
   tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
+# The fair test of SAGE (issue 22) on the fork world (model=tiny_fork): Table 1's methods and two controls,
+# GRPO + fork oracle (q = 1.4 at the strategy tokens only) and GRPO with 1.4x beta, 8 seeds; each run is
+# evaluated on the held-out set and, apart, on 200 held-out tail problems (eval=arith_fork). The one primary
+# comparison, declared here before the run: GRPO + Branch minus GRPO on the tail at pass@256.
+FORK_SEEDS ?= 1,2,3,4,5,6,7,8
+FORK_PRIMARY = grpo_branch|arith_tail|256
+FORK_ARGS = -m hparams_search=fork seed=$(FORK_SEEDS) $(REPRO_COMMON) tracking.experiment=testbed-fork \
+  hydra.sweep.dir=$(REPRO)/fork
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
 timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 	echo "| $(2) | $$(( ($$(date +%s) - start + 30) / 60 )) min |" > $(REPRO)/time_$(1).md
 
-.PHONY: reproduce-testbed reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
+.PHONY: reproduce-testbed reproduce-fork reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
 reproduce-testbed: install  ## issue 15: the base model, Tables 1/3/4/6 on the testbed, then docs/results/testbed.md
 	$(call timed,total,all parts,$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6)
 	$(MAKE) reproduce-report
@@ -123,6 +131,13 @@ reproduce-table6: install  ## Table 6: Branch threshold x ratio
 	$(call timed,table6,Table 6 ($(TABLE6_SEEDS)),$(SAGE_TRAIN) $(TABLE6_ARGS) && \
 	  $(SAGE_REPORT) --experiment testbed-table6 --seeds $(TABLE6_SEEDS) --perplexity-max 0 --min-seeds 2 \
 	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6)
+
+reproduce-fork: install  ## issue 22: the fork world's base model and study (its methods and controls, 8 seeds, the primary comparison)
+	$(call timed,fork,Fork world ($(FORK_SEEDS)),$(PY) -m sage.testbed.measure --model tiny_fork --markdown \
+	  > $(RESULTS)/testbed_fork_base.md && $(SAGE_TRAIN) $(FORK_ARGS) && \
+	  $(SAGE_REPORT) --experiment testbed-fork --seeds $(FORK_SEEDS) --primary '$(FORK_PRIMARY)' --min-seeds 8 \
+	  --include $(RESULTS)/testbed_fork_base.md --out $(RESULTS)/testbed_fork.md --figures-dir $(RESULTS)/figures_fork \
+	  --tables-dir $(RESULTS)/tables_fork)
 
 reproduce-report:  ## docs/results/testbed.md from the store: Table 1 with the other tables, the reading, provenance and timings
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall times"; echo; \

@@ -38,6 +38,8 @@ METHOD_NAMES = {
     "grpo_random": "GRPO + Random",
     "grpo_token": "GRPO + Token",
     "grpo_branch": "GRPO + Branch",
+    "grpo_fork": "GRPO + fork oracle",
+    "grpo_strong_kl": "GRPO, 1.4x beta",
     "bnpo": "BNPO w/o KL",
     "bnpo_branch": "BNPO + Branch",
     "dapo": "DAPO w/o KL",
@@ -77,7 +79,7 @@ EVAL_KEY = Key(r"pass_at_(?P<k>\d+)(?P<std>_std)?")
 CURVE_KEY = Key("pass_at_k_curve")
 PERIODIC_KEY = Key("pass_at_1", label="periodic")
 # logged by sage.eval.analyses beside each evaluation
-ANALYSIS_KEY = Key(r"(?P<kind>pattern|strategy)/(?P<name>[^/]+)")
+ANALYSIS_KEY = Key(r"(?P<kind>pattern|strategy|tier|rare_share)/(?P<name>[^/]+(?:/pass_at_\d+)?)")
 
 
 def open_store(uri: str | None):
@@ -300,7 +302,8 @@ def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def analysis_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """What the evaluation's analysis step logged (``<pattern|strategy>/<name>/<label>/<dataset>``):
+    """What the evaluation's analysis step logged (``<pattern|strategy|rare_share>/<name>/<label>/<dataset>``,
+    ``tier/<tier>/pass_at_<k>/<label>/<dataset>``):
     run_id, label, dataset, kind, name, value."""
     rows = [
         {"run_id": run_id, **m.groupdict(), "value": value}

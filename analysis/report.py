@@ -37,6 +37,8 @@ NOISE_SENTENCE = (
     "A difference whose interval includes 0 is not distinguishable from seed and problem noise: it is not "
     "a result."
 )
+ALWAYS_LOGGED = ("pattern", "strategy")
+"""The analyses every evaluation logs; the tier figures exist for testbed problems only."""
 # (kind logged by sage.eval.analyses, table name, heading, title, caption)
 ANALYSES = [
     (
@@ -52,6 +54,21 @@ ANALYSES = [
         "Solution-strategy mix of samples",
         "fraction of all evaluation samples following each testbed strategy",
         "`other`: not one of the testbed teacher's strategies (sage.testbed.task.classify_strategy).",
+    ),
+    (
+        "tier",
+        "tier_pass",
+        "pass@k by tier of the testbed",
+        "pass@1 and pass@n of each tier's held-out problems",
+        "Tiers: sage.testbed.task.problem_tier. In the fork world a tail problem is one only the rare "
+        "strategy (`round`) solves.",
+    ),
+    (
+        "rare_share",
+        "rare_share",
+        "The rare strategy's share by tier (fork world)",
+        "fraction of each tier's evaluation samples that follow the rare strategy (`round`)",
+        "The strategy that alone solves tail problems: a method that finds it raises the tail's share.",
     ),
 ]
 
@@ -190,7 +207,7 @@ def analysis_frames(runs: pd.DataFrame, src: pd.DataFrame, datasets: list[str]) 
     logged = logged[logged["dataset"].isin(datasets)]
     prefix = logged["dataset"] + ": " if len(datasets) > 1 else ""
     logged = logged.assign(column=prefix + logged["name"])
-    return {kind: logged.loc[logged["kind"] == kind, SEED_FRAME] for kind in ("pattern", "strategy")}
+    return {kind: logged.loc[logged["kind"] == kind, SEED_FRAME] for kind, *_ in ANALYSES}
 
 
 def perplexity_frame(
@@ -331,6 +348,42 @@ def difference_table(
     return table
 
 
+def primary_section(
+    pv: ProblemValues, primary: tuple[str, str, int], ref_row: str, trained_rows: Sequence[str], asked
+) -> str:
+    """The comparison declared before the run (``--primary``), alone: a family of one, so no correction,
+    with its p-value and the smallest difference the study could detect at 80% power."""
+    method, ds, k = primary
+    row = load.METHOD_NAMES.get(method, method)
+    missing = [r for r in (row, ref_row) if r not in trained_rows]
+    if missing:
+        raise ReportError(
+            f"--primary {method}|{ds}|{k}: no trained row {missing[0]!r} (rows: {list(trained_rows)})"
+        )
+    # computed as in the table against the reference (the seed noise pooled over the same rows), then
+    # taken out of its family
+    others = [r for r in trained_rows if r != ref_row]
+    t = difference_table(pv, others, ref_row, [(ds, k)], asked, name="primary", title="primary comparison")
+    cell = dict(t.rows)[row][0]
+    if isinstance(cell, Diff):
+        cell = replace(cell, holm=False)
+    else:
+        raise ReportError(f"--primary {method}|{ds}|{k}: no difference to report {cell}")
+    i = cell.interval
+    power = (
+        f"p = {i.p:.3f} (two-sided t, {i.df:.0f} df); the smallest difference this study could detect at "
+        f"{bootstrap.POWER:.0%} power: {i.mde:.3f}"
+        if i.has_interval
+        else "no interval: one training seed"
+    )
+    return (
+        "## Primary comparison (declared before the run)\n\n"
+        f"{row} minus {ref_row} on {ds} at pass@{k}: **{cell.text()}**; {power}. The one comparison "
+        "declared before the runs (the Makefile's `--primary`): it is not part of a table's family, and "
+        "every other difference in this report is secondary.\n"
+    )
+
+
 def curve_bands(pv: ProblemValues, rows: Sequence[str], datasets: Sequence[str], draws: int, rng_seed: int):
     """(row, dataset, k, lo, hi): the bootstrap band (over problems and seeds) of each row's pass@k curve,
     at ``bootstrap.band_ks`` of its samples per problem."""
@@ -432,7 +485,10 @@ def make_report(
     draws: int = 2000,
     rng_seed: int = 0,
     min_seeds: int = 5,
+    primary: tuple[str, str, int] | None = None,
 ) -> Report:
+    if primary is not None and draws <= 0:
+        raise ReportError("--primary needs the intervals that --bootstrap 0 turns off")
     sel = select(client, experiment, run_ids, filter_string, seeds)
     runs, asked = sel.runs, sel.seeds
     notes = list(sel.notes)
@@ -493,6 +549,8 @@ def make_report(
             add(t, f"Differences against {ref_row}", how)
         else:
             notes.append(f"no differences against {ref_row!r}: no trained row of that name (--reference)")
+        if primary is not None:
+            sections.insert(0, primary_section(pv, primary, ref_row, trained_rows, asked))
         if len(base_rows) == 1:
             t = difference_table(
                 pv, trained_rows, base_rows[0], columns, asked,
@@ -529,9 +587,10 @@ def make_report(
     for kind, name, heading, title, text in ANALYSES:
         frame = frames[kind]
         if frame.empty:
-            notes.append(
-                f"no {name} table: no run logged {kind}/<name>/<label>/<dataset> (sage.eval.analyses)"
-            )
+            if kind in ALWAYS_LOGGED:  # the others exist on the testbed only: their absence says nothing
+                notes.append(
+                    f"no {name} table: no run logged {kind}/<name>/<label>/<dataset> (sage.eval.analyses)"
+                )
             continue
         t = tables.seed_table(
             frame, asked, list(dict.fromkeys(frame["column"])), name=name, rows=rows_all, title=title
@@ -617,6 +676,16 @@ def _figure(path: Path, out: Path, caption: str) -> str:
     return f"![{caption}]({os.path.relpath(path, out.parent)})\n"
 
 
+def primary_comparison(text: str) -> tuple[str, str, int]:
+    """``--primary 'METHOD|DATASET|K'`` as (method, dataset, k)."""
+    parts = text.split("|")
+    if len(parts) != 3 or not parts[2].isdigit() or int(parts[2]) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected METHOD|DATASET|K, e.g. 'grpo_branch|arith_tail|256'"
+        )
+    return parts[0], parts[1], int(parts[2])
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sage-report", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -646,6 +715,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--reference",
         default="grpo",
         help="method the differences are taken against: a conf/experiment preset (grpo) or a row name",
+    )
+    p.add_argument(
+        "--primary",
+        type=primary_comparison,
+        help="the one comparison declared before the run, 'METHOD|DATASET|K' (a preset or row name, minus "
+        "--reference, at pass@K): reported first, with its own interval and p-value, outside the tables' "
+        "families",
     )
     p.add_argument(
         "--bootstrap",
@@ -728,6 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draws=args.bootstrap,
             rng_seed=args.bootstrap_seed,
             min_seeds=args.min_seeds,
+            primary=args.primary,
         )
     except ReportError as e:
         print(f"sage-report: {e}", file=sys.stderr)

@@ -71,8 +71,10 @@ def test_every_group_has_options():
         "qwen2.5-3b-instruct",
     } <= set(options("model"))
     assert {"grpo", "dapo", "dapo_full", "bnpo", "dr_grpo", "gspo"} <= set(options("algorithm"))
-    assert {"reverse_kl", "none", "forward_kl", "sequence_kl"} == set(options("divergence"))
-    assert {"none", "random", "token", "branch"} == set(options("guide"))
+    assert {"reverse_kl", "none", "forward_kl", "sequence_kl", "reverse_kl_strong"} == set(
+        options("divergence")
+    )
+    assert {"none", "random", "token", "branch", "fork"} == set(options("guide"))
     assert {"testbed", "paper"} == set(options("trl"))
 
 
@@ -81,6 +83,8 @@ def test_option_composes_and_binds(group, option, tmp_path):
     """Every option composes; its targets bind or build for real: TRL's GRPOConfig for the groups that
     set TRL's knobs, SFTConfig and LoraConfig for the models, the cheap objects of the objective."""
     extra = ["divergence=reverse_kl"] if group == "guide" else []
+    if (group, option) == ("guide", "fork"):
+        extra.append("model=tiny_fork")  # the control acts at the fork world's strategy tokens
     cfg = cfg_for(f"{group}={option}", *extra)
     if group == "model":
         bind(cfg.model.source)
@@ -126,9 +130,15 @@ def test_regime_sets_one_learning_rate_and_the_beta_of_every_divergence_that_has
         validate(cfg)
         args = grpo_args(cfg, tmp_path)
         assert (args.beta, args.learning_rate) == (beta, 2 * base.trl.learning_rate), experiment
+    strong = {"reverse_kl_strong": 1.4}  # the control whose beta is the regime's times a factor
     for divergence in options("divergence"):  # every option with a beta, a new one too, gets the regime's
         cfg = cfg_for(f"divergence={divergence}", "regime=anchored")
-        assert cfg.divergence.beta == (0.0 if divergence == "none" else 0.2), divergence
+        expected = 0.0 if divergence == "none" else 0.2 * strong.get(divergence, 1.0)
+        assert cfg.divergence.beta == pytest.approx(expected), divergence
+    for regime in ("default", "anchored"):  # the control stays 1.4x GRPO's beta in every regime
+        grpo, control = (cfg_for(f"experiment={e}", f"regime={regime}") for e in ("grpo", "grpo_strong_kl"))
+        assert control.divergence.beta == pytest.approx(1.4 * grpo.divergence.beta), regime
+        assert control.guide._target_ == grpo.guide._target_ and control.method == "grpo_strong_kl"
     default = cfg_for("experiment=grpo", "regime=default")
     assert (base.divergence.beta, default.divergence.beta) == (0.05, 0.05)
     cfg = cfg_for("experiment=grpo", "regime=anchored", "divergence.beta=0.1", "trl.learning_rate=3e-4")
@@ -190,6 +200,8 @@ def test_option_files_list_only_what_differs_from_their_schema(group):
     for path in (CONF / group).glob("*.yaml"):
         own = OmegaConf.load(path)
         base_name = own.get("defaults", [None])[0]
+        while f"{base_name}.yaml" not in repo[group]:  # an option that extends another option
+            base_name = OmegaConf.load(CONF / group / f"{base_name}.yaml").defaults[0]
         schema = OmegaConf.create(repo[group][f"{base_name}.yaml"].node)
         for key, value in OmegaConf.to_container(own, resolve=False).items():
             if key == "defaults" or key not in schema or OmegaConf.is_missing(schema, key):

@@ -1,12 +1,15 @@
 """sage-report: tables from hand-made frames (unit tests), and every table and figure built from a throwaway
 MLflow store filled by real tiny testbed runs, checked against the values MLflow recorded (slow)."""
 
+import argparse
 import json
 import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,8 @@ import pytest
 from analysis import load, report, tables
 from analysis.load import ReportError
 from analysis.tables import Stat, stat
+from sage.eval.analyses import TESTBED_PROBLEM
+from sage.testbed.task import heldout_rows, tier_of
 
 
 # ------------------------------------------------------------------ pure functions
@@ -270,7 +275,26 @@ def built(store):
         out=out,
         figures_dir=out.parent / "figures",
         tables_dir=out.parent / "tables",
+        primary=(BRANCH, DS, 4),
     )
+
+
+@pytest.mark.slow
+def test_the_primary_comparison_comes_first_with_the_tables_interval_outside_its_family(built):
+    """--primary: the declared comparison opens the report, with the interval the table against the
+    reference gives it (the same pooled seed noise), its p-value and power, and without the table's Holm
+    mark (it is a family of one)."""
+    cell = built.tables["diff_vs_reference"].cell(BRANCH, f"{DS} pass@4")
+    first = built.markdown.split("\n## ")[1]
+    assert first.startswith("Primary comparison (declared before the run)"), built.markdown[:500]
+    assert f"{BRANCH} minus {GRPO} on {DS} at pass@4: **{replace(cell, holm=False).text()}**" in first
+    assert f"p = {cell.interval.p:.3f}" in first and f"80% power: {cell.interval.mde:.3f}" in first
+    with pytest.raises(report.ReportError, match=r"no trained row 'GRPO \+ Nope'"):
+        report.primary_section(None, ("GRPO + Nope", DS, 4), GRPO, [GRPO, BRANCH], [0, 1])
+    assert report.primary_comparison("grpo_branch|arith_tail|256") == ("grpo_branch", "arith_tail", 256)
+    for bad in ("grpo_branch|arith_tail", "grpo_branch|arith_tail|0", "a|b|c"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected METHOD\\|DATASET\\|K"):
+            report.primary_comparison(bad)
 
 
 @pytest.mark.slow
@@ -337,6 +361,17 @@ def test_grid_grad_norm_patterns_strategies(store, built):
     pat = built.tables["reasoning_patterns"]
     assert pat.columns == ["constraint setup", "structural reasoning", "proof by contradiction"]
     assert all(c.mean == 0.0 for _, cells in pat.rows for c in cells if c.n)  # bare arithmetic: no patterns
+
+    # by tier (the graded world's: by multiplier); the tiers' pass@1 weighted by their problems is the whole's
+    counts = Counter(tier_of(int(TESTBED_PROBLEM.fullmatch(r["problem"])[2])) for r in heldout_rows()[:6])
+    for r in ("g0", "b0"):
+        whole = logged(store, r, f"pass_at_1/trained/{DS}")
+        parts = [n / 6 * logged(store, r, f"tier/{t}/pass_at_1/trained/{DS}") for t, n in counts.items()]
+        assert sum(parts) == pytest.approx(whole), r
+    by_tier = built.tables["tier_pass"]
+    assert set(by_tier.columns) == {f"{t}/pass_at_{k}" for t in counts for k in (1, 4)}
+    assert by_tier.cell(GRPO, f"{next(iter(counts))}/pass_at_1").n == 2  # two seeds
+    assert "rare_share" not in built.tables  # no fork-world model here
 
 
 @pytest.mark.slow

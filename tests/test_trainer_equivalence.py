@@ -9,10 +9,10 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from sage.objective.divergences import NoDivergence, ReverseKL, SequenceKL, k3
-from sage.objective.guides import BranchGuide, NoGuide, RandomGuide
+from sage.objective.guides import BranchGuide, ForkGuide, NoGuide, RandomGuide
 from sage.objective.schedules import ConstantSchedule
 from sage.testbed.model import build_tiny_model
-from sage.testbed.task import arith_dataset
+from sage.testbed.task import FORK_MARKERS, arith_dataset
 from sage.train.trainer import SageGRPOTrainer, aggregate
 
 
@@ -383,3 +383,99 @@ def test_zero_variance_groups_are_masked_out_of_the_loss(model_path, tmp_path, m
     l_filtered, _ = loss_and_grad(t, filtered)
     l_half, _ = loss_and_grad(t, half)
     assert l_filtered.item() == pytest.approx(l_half.item(), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fork_model_path(tmp_path_factory):
+    """A (barely trained) model of the fork world: its vocabulary has the strategy markers."""
+    return build_tiny_model(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        train_steps=3,
+        n_train_problems=64,
+        world="fork",
+        cache_dir=str(tmp_path_factory.mktemp("fork_cache")),
+    )
+
+
+def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_logs_q_there(
+    fork_model_path, model_path, tmp_path
+):
+    """Markers written into chosen completion positions (one past a completion's end, which the mask
+    drops): the loss moves by beta times the shaped k3 term with q = 1.4 exactly there, and the trainer logs
+    q and the guide's active share at those tokens; a model without markers logs none and the fork guide
+    refuses it."""
+    beta = 0.05
+    plain = make(
+        SageGRPOTrainer,
+        fork_model_path,
+        tmp_path / "a",
+        beta,
+        "grpo",
+        divergence=ReverseKL(beta),
+        guide=NoGuide(),
+    )
+    fork = make(
+        SageGRPOTrainer,
+        fork_model_path,
+        tmp_path / "b",
+        beta,
+        "grpo",
+        divergence=ReverseKL(beta),
+        guide=ForkGuide(),
+    )
+    inputs = fake_inputs(plain, seed=2)
+    markers = plain.processing_class.convert_tokens_to_ids(list(FORK_MARKERS.values()))
+    ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+    ids[ids >= min(markers)] = 4  # no marker drawn at random
+    ids[0, 1], ids[1, 1], ids[2, 0] = markers[0], markers[5], markers[2]
+    end = int(mask[3].sum())
+    if end < ids.shape[1]:
+        ids[3, end] = markers[1]  # padding: not a token of the completion
+    at_fork = torch.zeros_like(mask, dtype=torch.bool)
+    at_fork[0, 1] = at_fork[1, 1] = at_fork[2, 0] = True
+    l_plain, _ = loss_and_grad(plain, inputs)
+    l_fork, _ = loss_and_grad(fork, inputs)
+    with torch.no_grad():
+        full = torch.cat([inputs["prompt_ids"], ids], 1)
+        am = torch.cat([inputs["prompt_mask"], mask], 1)
+        logps, _, _ = plain._get_per_token_logps_and_entropies(plain.model, full, am, 12)
+        ref = inputs["ref_per_token_logps"]
+        q = torch.where(at_fork, 1.4, 1.0)
+        kw = dict(
+            max_completion_length=12,
+            num_items_in_batch=None,
+            grad_accum_steps=2,
+            steps_per_generation=plain.args.steps_per_generation,
+            num_processes=1,
+            training=True,
+        )
+        diff = beta * (
+            aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw)
+            - aggregate(k3(logps, ref), mask, "grpo", **kw)
+        )
+    assert abs(diff.item()) > 1e-6
+    assert (l_fork - l_plain).item() == pytest.approx(diff.item(), abs=1e-7)
+    logged = fork._metrics["train"]
+    assert logged["guide/q_fork"][-1] == pytest.approx(1.4) and logged["guide/active_frac_fork"][-1] == 1.0
+    assert logged["guide/active_frac"][-1] == pytest.approx(3 / mask.sum().item())
+    assert plain._metrics["train"]["guide/q_fork"][-1] == 1.0  # the plain anchor at the same tokens
+    # a model of another world: no markers in its vocabulary, nothing logged at forks, the fork guide refuses
+    other = make(
+        SageGRPOTrainer, model_path, tmp_path / "c", beta, "grpo", divergence=ReverseKL(beta), guide=NoGuide()
+    )
+    loss_and_grad(other, fake_inputs(other, seed=2))
+    assert "guide/q_fork" not in other._metrics["train"]
+    refusing = make(
+        SageGRPOTrainer,
+        model_path,
+        tmp_path / "d",
+        beta,
+        "grpo",
+        divergence=ReverseKL(beta),
+        guide=ForkGuide(),
+    )
+    with pytest.raises(ValueError, match="model=tiny_fork"):
+        loss_and_grad(refusing, fake_inputs(refusing, seed=2))

@@ -337,9 +337,19 @@ def heldout_dataset(n: int = 200, seed: int = 0, chat: bool = False) -> datasets
     return _to_dataset(make_problems("heldout", n, seed), chat)
 
 
-def heldout_rows(n: int = 200, seed: int = 0) -> list[dict]:
-    """The held-out split as evaluation rows ``{id, problem, answer}`` (the benchmark loaders' format)."""
-    return [
-        {"id": p["problem"], "problem": p["problem"], "answer": p["answer"]}
-        for p in make_problems("heldout", n, seed)
-    ]
+def heldout_rows(n: int = 200, seed: int = 0, tier: str | None = None, world: str = "fork") -> list[dict]:
+    """The held-out split as evaluation rows ``{id, problem, answer}`` (the benchmark loaders' format).
+    ``tier``: only problems of that tier of ``world`` (:func:`problem_tier`), ``n`` of them: the tail of the
+    fork world as a dataset of its own, so that its pass@k differences get intervals like any dataset's."""
+    if tier is None:
+        problems = make_problems("heldout", n, seed)
+    else:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        pool = make_problems("heldout", len(_pool("heldout")), seed)  # every held-out problem, shuffled
+        problems = [p for p in pool if problem_tier(world, p["a"], p["b"]) == tier][:n]
+        if len(problems) < n:
+            raise ValueError(
+                f"asked for {n} held-out {tier} problems of the {world} world, there are {len(problems)}"
+            )
+    return [{"id": p["problem"], "problem": p["problem"], "answer": p["answer"]} for p in problems]

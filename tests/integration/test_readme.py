@@ -62,6 +62,9 @@ ELSEWHERE = {
     "make test": "it is this test suite (CI runs it: .ci/run)",
     "make reproduce-testbed": "the whole testbed study; its parts run in tests/test_report.py",
     "make reproduce-table": "one table of it: tests/integration/test_reproduce.py runs make reproduce-table6",
+    "make reproduce-fork": "the fork world's study: test_reproduce checks its command (make -n); its "
+    "methods, controls, tier figures and primary comparison run in tests/test_fork_world.py, "
+    "test_trainer_equivalence.py and test_report.py",
     "mlflow ui": "MLflow's UI: tests/integration/test_mlflow_ui.py renders a store served by mlflow server",
 }
 

@@ -56,7 +56,7 @@ def test_reproduce_table6_twice_runs_reports_and_times_once(tmp_path: Path) -> N
     assert len(jobs(runs)) == 1 and len(runs) == 2  # one training run, nested under the grid's parent run
 
 
-@pytest.mark.parametrize("table", ["table1", "table3", "table4", "table6"])
+@pytest.mark.parametrize("table", ["table1", "table3", "table4", "table6", "fork"])
 def test_each_table_target_passes_its_whole_command(table: str) -> None:
     """A literal comma inside the Makefile's `$(call timed,...)` splits the call's arguments and silently
     drops the rest of the command (Table 4 once ran one default job and recorded it as the table): the command
