@@ -97,6 +97,31 @@ def loss_and_grad(trainer, inputs):
     return loss.detach(), grads
 
 
+def shaped_term(trainer, inputs, beta, q_of):
+    """beta * aggregate(k3 to q * pi_ref) - beta * aggregate(k3 to pi_ref), by hand from one forward pass of
+    ``trainer``'s model (loss type grpo, the accumulation ``make`` sets); ``q_of(logps, entropies)`` is q."""
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        logps, ent, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, am, inputs["completion_ids"].shape[1], compute_entropy=True
+        )
+        mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
+        q = q_of(logps, ent)
+        kw = dict(
+            max_completion_length=12,
+            num_items_in_batch=None,
+            grad_accum_steps=2,
+            steps_per_generation=trainer.args.steps_per_generation,
+            num_processes=1,
+            training=True,
+        )
+        return beta * (
+            aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw)
+            - aggregate(k3(logps, ref), mask, "grpo", **kw)
+        )
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta,iw", [(0.05, False), (0.05, True), (0.0, False)])
 def test_matches_trl(model_path, tmp_path, loss_type, beta, iw):
@@ -140,26 +165,13 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
     l_plain, _ = loss_and_grad(plain, inputs)
     l_shaped, _ = loss_and_grad(shaped, inputs)
     # Recompute the expected difference by hand from one forward pass.
-    with torch.no_grad():
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        logps, ent, _ = plain._get_per_token_logps_and_entropies(
-            plain.model, ids, am, 12, compute_entropy=True
-        )
-        mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
-        q = guide(logps=logps, ref_logps=ref, entropies=ent, mask=mask, step=0)
-        kw = dict(
-            max_completion_length=12,
-            num_items_in_batch=None,
-            grad_accum_steps=2,
-            steps_per_generation=plain.args.steps_per_generation,
-            num_processes=1,
-            training=True,
-        )
-        diff = beta * (
-            aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw)
-            - aggregate(k3(logps, ref), mask, "grpo", **kw)
-        )
+    mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
+    diff = shaped_term(
+        plain,
+        inputs,
+        beta,
+        lambda logps, ent: guide(logps=logps, ref_logps=ref, entropies=ent, mask=mask, step=0),
+    )
     active = shaped._metrics["train"]["guide/active_frac"][-1]
     assert active > 0.05
     assert abs(diff.item()) > 1e-5
@@ -431,31 +443,14 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
     ids, mask = inputs["completion_ids"], inputs["completion_mask"]
     ids[ids >= min(markers)] = 4  # no marker drawn at random
     ids[0, 1], ids[1, 1], ids[2, 0] = markers[0], markers[5], markers[2]
-    end = int(mask[3].sum())
-    if end < ids.shape[1]:
-        ids[3, end] = markers[1]  # padding: not a token of the completion
+    mask[3, 8:] = 0  # row 3 ends after 8 tokens, and a marker stands in its padding
+    inputs["num_items_in_batch"] = mask.sum()
+    ids[3, 8] = markers[1]  # padding: not a token of the completion
     at_fork = torch.zeros_like(mask, dtype=torch.bool)
     at_fork[0, 1] = at_fork[1, 1] = at_fork[2, 0] = True
     l_plain, _ = loss_and_grad(plain, inputs)
     l_fork, _ = loss_and_grad(fork, inputs)
-    with torch.no_grad():
-        full = torch.cat([inputs["prompt_ids"], ids], 1)
-        am = torch.cat([inputs["prompt_mask"], mask], 1)
-        logps, _, _ = plain._get_per_token_logps_and_entropies(plain.model, full, am, 12)
-        ref = inputs["ref_per_token_logps"]
-        q = torch.where(at_fork, 1.4, 1.0)
-        kw = dict(
-            max_completion_length=12,
-            num_items_in_batch=None,
-            grad_accum_steps=2,
-            steps_per_generation=plain.args.steps_per_generation,
-            num_processes=1,
-            training=True,
-        )
-        diff = beta * (
-            aggregate(k3(logps, ref + q.log()), mask, "grpo", **kw)
-            - aggregate(k3(logps, ref), mask, "grpo", **kw)
-        )
+    diff = shaped_term(plain, inputs, beta, lambda logps, ent: torch.where(at_fork, 1.4, 1.0))
     assert abs(diff.item()) > 1e-6
     assert (l_fork - l_plain).item() == pytest.approx(diff.item(), abs=1e-7)
     logged = fork._metrics["train"]

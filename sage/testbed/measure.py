@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sage.testbed.task import (
     FORK_MARKERS,
     FORK_STRATEGIES,
+    RARE_STRATEGY,
     STRATEGIES,
     TIERS,
     classify_strategy,
@@ -174,7 +175,9 @@ def measure(
         for tier in TIERS:  # does the base model pick its strategy by tier? (its teacher did not)
             rows = tiers == tier
             if rows.any():
-                figures[f"{tier}_strategy_round"] = float((strategies[rows] == "round").mean())
+                figures[f"{tier}_strategy_{RARE_STRATEGY}"] = float(
+                    (strategies[rows] == RARE_STRATEGY).mean()
+                )
     figures["sampling_seconds"] = seconds
     prompts = [p["problem"] for p in problems]
     _, entropies, tokens = sample(
@@ -204,32 +207,30 @@ def world_of(model_path: str) -> str:
     return json.loads(info.read_text())["config"].get("world", "arith")
 
 
-def model_path_of(model: str) -> str:
-    """Build (or load from the cache) the base model of ``sage-train model=<model>``: its config group is
-    the one source of the world, the sizes and the seed, so what is measured is what the trainer loads."""
+def _compose(model: str, *overrides: str):
+    """``sage-train model=<model>``'s composed config: the one source of the world, the sizes, the seed and
+    the guide's defaults, so that what is measured is what the trainer loads."""
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
     from sage.config import register_configs
     from sage.paths import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"model={model}"])
-    return str(instantiate(cfg.model.source))
+        return compose(config_name="train", overrides=[f"model={model}", *overrides])
+
+
+def model_path_of(model: str) -> str:
+    """Build (or load from the cache) the base model of ``sage-train model=<model>``."""
+    from hydra.utils import instantiate
+
+    return str(instantiate(_compose(model).model.source))
 
 
 def branch_defaults(model: str) -> tuple[float, float]:
     """(ratio, threshold) of ``sage-train model=<model> guide=branch``: what the fork figures are taken at."""
-    from hydra import compose, initialize_config_dir
-
-    from sage.config import register_configs
-    from sage.paths import CONF_DIR
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"model={model}", "guide=branch"])
-    return float(cfg.guide.ratio), float(cfg.guide.threshold)
+    guide = _compose(model, "guide=branch").guide
+    return float(guide.ratio), float(guide.threshold)
 
 
 def main() -> None:
