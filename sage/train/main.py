@@ -149,6 +149,9 @@ def rl(
         return final
     from sage.grading import PoolReward
     from sage.train.console import short_step_lines
+    from sage.train.trl_import import import_grpo_trainer
+
+    import_grpo_trainer(use_vllm=args.use_vllm)  # before sage.train.trainer: vLLM's import only if used
     from sage.train.trainer import SageGRPOTrainer, describe_batch
 
     trainer = SageGRPOTrainer(
