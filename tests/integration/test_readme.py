@@ -1,15 +1,18 @@
 """Every command the README shows is run here, shrunk by overrides only, as one workflow on one MLflow
-store: the quick run, its resume, the evaluations of its checkpoint, the sweeps (on the real SLURM cluster
-where the README says slurm, against a real PostgreSQL where it names one), the report over what was logged.
+store: the quick run, its resume, the evaluations of its checkpoint, the local sweeps, the report over what
+was logged. The commands that need the services (the SLURM sweeps on the real cluster, the study against a
+real PostgreSQL) run as a second workflow on a store of their own, on the worker that holds the services;
+the rest need none, so the other worker can take them, in README order.
 
 A command runs for real unless it needs what this machine does not have; those are composed with Hydra's
 ``--cfg job`` (every group, key and type checked, nothing run), and the reason is named in
 ``COMPOSE_ONLY``. Sweeps are shrunk by overriding their grid or trial count, never by editing the command.
-A README command that no rule here covers fails the test, so a new one cannot go untested.
+A README command that no rule here covers fails a test, so a new one cannot go untested.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -107,79 +110,120 @@ def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
     return r
 
 
-def test_every_readme_command_runs(tmp_path, slurm_cluster, postgres_url):
-    env = {
-        **slurm_cluster,
-        "HF_HUB_OFFLINE": "1",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-    }
-    quick = tmp_path / "quick"
-    ran = []
-    for command in readme_commands():
-        command = command.replace("/tmp/quick", str(quick)).replace(
-            "outputs/<run>/final", str(quick / "final")
-        )
-        command = re.sub(r"postgresql\+psycopg://\S+", postgres_url, command)
-        if any(command.startswith(c) for c in ELSEWHERE):
+def rule(command: str) -> str:
+    """How the test covers a README command: ``elsewhere``, ``compose``, ``services`` (run, on the SLURM
+    cluster or against PostgreSQL) or ``run``; a command no rule covers is an error."""
+    args = shlex.split(command)
+    tool, rest = args[0], args[1:]
+    if any(command.startswith(c) for c in ELSEWHERE):
+        return "elsewhere"
+    if tool in ("sage-train", "sage-eval", "torchrun") and any(k in command for k in COMPOSE_ONLY):
+        return "compose"
+    if tool == "python" and rest[:2] == ["-m", "sage.train.memory"]:
+        return "run"  # a plan, for a SLURM grid too: nothing is submitted
+    if "hydra/launcher=slurm" in command or "postgresql" in command:
+        return "services"
+    known = (tool == "make" and rest[:1] == ["run"]) or tool in (
+        "torchrun",
+        "sage-train",
+        "sage-eval",
+        "sage-report",
+    )
+    if not known:
+        raise ValueError(f"README command not covered by tests/integration/test_readme.py: {command}")
+    return "run"
+
+
+def covered() -> list:
+    """The README commands this file runs (or composes), in README order, each a test; those that need the
+    services carry the integration mark, which puts them on the services' worker."""
+    params = []
+    for i, command in enumerate(readme_commands()):
+        how = rule(command)
+        if how == "elsewhere":
             continue
-        args = shlex.split(command)
-        tool, rest = args[0], args[1:]
-        if tool == "make" and rest[:1] == ["run"]:
-            overrides = shrink([f"output_dir={tmp_path / 'make_run'}"], SHRINK_TRAIN)
-            run(["make", "run", "ARGS=" + shlex.join(overrides)], env, REPO)
-        elif tool in ("sage-train", "sage-eval", "torchrun") and any(k in command for k in COMPOSE_ONLY):
-            if tool == "torchrun":  # the command after the launcher's own flags, in one process
-                tool, rest = (
-                    "sage-train",
-                    [a for a in rest if not a.startswith("--") and a not in ("-m",)][1:],
-                )
-            if "-m" in rest:  # a sweep: one of its jobs, launcher settings included
-                rest = one_point([a for a in rest if a != "-m"])
-                r = run([str(BIN / tool), *rest, "--cfg", "all"], env, tmp_path)
-                assert "launcher:" in r.stdout
-            else:
-                r = run([str(BIN / tool), *rest, "--cfg", "job"], env, tmp_path)
-            assert "model:" in r.stdout
-        elif tool == "torchrun":
-            launcher = [a for a in rest if a.startswith("--")]
-            module_at = rest.index("-m")
-            overrides = shrink(rest[module_at + 2 :], SHRINK_TRAIN)
-            r = run(
-                [str(BIN / tool), "--standalone", *launcher, "-m", rest[module_at + 1], *overrides],
-                env,
-                tmp_path,
+        marks = [pytest.mark.integration] if how == "services" else []
+        params.append(pytest.param(i, command, marks=marks, id=f"{i:02d}-{shlex.split(command)[0]}"))
+    return params
+
+
+def test_every_readme_command_has_a_rule_and_most_run():
+    rules = [rule(c) for c in readme_commands()]  # raises on a command no rule covers
+    assert rules.count("run") + rules.count("services") >= 15, rules
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory) -> Path:
+    """The folder (and MLflow store) the commands of one worker share, in README order."""
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.mark.parametrize("i,command", covered())
+def test_readme_command_runs(i, command, workflow, request):
+    root, how = workflow, rule(command)
+    # The services are asked for here only: a session fixture asked for on the other worker would start a
+    # second SLURM cluster there.
+    base = request.getfixturevalue("slurm_cluster") if how == "services" else os.environ
+    env = {**base, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    if how == "services":
+        if "postgresql" in command:
+            command = re.sub(r"postgresql\+psycopg://\S+", request.getfixturevalue("postgres_url"), command)
+    quick = root / "quick"
+    command = command.replace("/tmp/quick", str(quick)).replace("outputs/<run>/final", str(quick / "final"))
+    args = shlex.split(command)
+    tool, rest = args[0], args[1:]
+    if how == "compose":
+        if tool == "torchrun":  # the command after the launcher's own flags, in one process
+            tool, rest = (
+                "sage-train",
+                [a for a in rest if not a.startswith("--") and a not in ("-m",)][1:],
             )
-            assert " x 2 processes = " in r.stdout, r.stdout[-2000:]
-        elif tool == "python" and rest[:2] == ["-m", "sage.train.memory"]:
-            r = run([sys.executable, *rest], env, tmp_path)
-            assert ", fits (" in r.stdout
-        elif tool == "sage-train" and "-m" in rest:
-            sweep = tmp_path / f"sweep{len(ran)}"
-            shrink_to = {**SHRINK_TRAIN, "hydra.sweep.dir": str(sweep)}
-            if "hparams_search=table" in command:
-                shrink_to |= SHRINK_GRID
-            if "hparams_search=branch_threshold_ratio" in command:
-                shrink_to |= SHRINK_STUDY
-            args = shrink(one_point(rest), shrink_to)
-            run([str(BIN / tool), *args], env, tmp_path)
-            # a grid job's folder is <sweep>/<its overrides>, a study's trial's <sweep>/<study>/<number>
-            finished = list(sweep.glob("*/metrics.json")) + list(sweep.glob("*/*/metrics.json"))
-            assert finished, f"{command}: no job of the sweep finished"
-        elif tool == "sage-train":
-            if not any(a.startswith("output_dir=") for a in rest):
-                rest.append(f"output_dir={tmp_path / f'run{len(ran)}'}")
-            shrink_to = dict(SHRINK_TRAIN)
-            for key, extra in SHRINK_IF_SET.items():
-                if any(a.startswith(key + "=") for a in rest):
-                    shrink_to |= extra
-            run([str(BIN / tool), *shrink(rest, shrink_to)], env, tmp_path)
-        elif tool == "sage-eval":
-            run([str(BIN / tool), *shrink(rest, SHRINK_EVAL)], env, tmp_path)
-        elif tool == "sage-report":
-            rest = [a.replace("docs/results/", f"{tmp_path}/report/") for a in rest]
-            run([str(BIN / tool), *rest], env, tmp_path)
-            assert (tmp_path / "report").is_dir()
+        if "-m" in rest:  # a sweep: one of its jobs, launcher settings included
+            rest = one_point([a for a in rest if a != "-m"])
+            r = run([str(BIN / tool), *rest, "--cfg", "all"], env, root)
+            assert "launcher:" in r.stdout
         else:
-            pytest.fail(f"README command not covered by tests/integration/test_readme.py: {command}")
-        ran.append(command)
-    assert len(ran) >= 15, ran
+            r = run([str(BIN / tool), *rest, "--cfg", "job"], env, root)
+        assert "model:" in r.stdout
+    elif tool == "make":
+        overrides = shrink([f"output_dir={root / 'make_run'}"], SHRINK_TRAIN)
+        run(["make", "run", "ARGS=" + shlex.join(overrides)], env, REPO)
+    elif tool == "torchrun":
+        launcher = [a for a in rest if a.startswith("--")]
+        module_at = rest.index("-m")
+        overrides = shrink(rest[module_at + 2 :], SHRINK_TRAIN)
+        r = run(
+            [str(BIN / tool), "--standalone", *launcher, "-m", rest[module_at + 1], *overrides],
+            env,
+            root,
+        )
+        assert " x 2 processes = " in r.stdout, r.stdout[-2000:]
+    elif tool == "python":
+        r = run([sys.executable, *rest], env, root)
+        assert ", fits (" in r.stdout
+    elif tool == "sage-train" and "-m" in rest:
+        sweep = root / f"sweep{i}"
+        shrink_to = {**SHRINK_TRAIN, "hydra.sweep.dir": str(sweep)}
+        if "hparams_search=table" in command:
+            shrink_to |= SHRINK_GRID
+        if "hparams_search=branch_threshold_ratio" in command:
+            shrink_to |= SHRINK_STUDY
+        args = shrink(one_point(rest), shrink_to)
+        run([str(BIN / tool), *args], env, root)
+        # a grid job's folder is <sweep>/<its overrides>, a study's trial's <sweep>/<study>/<number>
+        finished = list(sweep.glob("*/metrics.json")) + list(sweep.glob("*/*/metrics.json"))
+        assert finished, f"{command}: no job of the sweep finished"
+    elif tool == "sage-train":
+        if not any(a.startswith("output_dir=") for a in rest):
+            rest.append(f"output_dir={root / f'run{i}'}")
+        shrink_to = dict(SHRINK_TRAIN)
+        for key, extra in SHRINK_IF_SET.items():
+            if any(a.startswith(key + "=") for a in rest):
+                shrink_to |= extra
+        run([str(BIN / tool), *shrink(rest, shrink_to)], env, root)
+    elif tool == "sage-eval":
+        run([str(BIN / tool), *shrink(rest, SHRINK_EVAL)], env, root)
+    elif tool == "sage-report":
+        rest = [a.replace("docs/results/", f"{root}/report/") for a in rest]
+        run([str(BIN / tool), *rest], env, root)
+        assert (root / "report").is_dir()

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# Slow, not integration: it starts no service (the grid runs on Hydra's local launcher, the store is SQLite),
+# so it need not wait for the worker that holds the SLURM cluster.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SHRUNK = (
