@@ -165,9 +165,8 @@ def test_readme_command_runs(i, command, workflow, request):
     # second SLURM cluster there.
     base = request.getfixturevalue("slurm_cluster") if how == "services" else os.environ
     env = {**base, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    if how == "services":
-        if "postgresql" in command:
-            command = re.sub(r"postgresql\+psycopg://\S+", request.getfixturevalue("postgres_url"), command)
+    if "postgresql" in command:  # a services command (rule)
+        command = re.sub(r"postgresql\+psycopg://\S+", request.getfixturevalue("postgres_url"), command)
     quick = root / "quick"
     command = command.replace("/tmp/quick", str(quick)).replace("outputs/<run>/final", str(quick / "final"))
     args = shlex.split(command)
