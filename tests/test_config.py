@@ -2,10 +2,12 @@
 gives a one-line error that names the problem."""
 
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -239,8 +241,8 @@ def test_wrong_type_and_unknown_key_and_bad_enum_fail_at_composition():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sage.train", *args], capture_output=True, text=True, timeout=120
+    return prefork.run(
+        [sys.executable, "-m", "sage.train", *args], timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
 
 

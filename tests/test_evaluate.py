@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
+import prefork
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -444,9 +445,7 @@ def sage_eval(
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
-    r = subprocess.run(
-        [sys.executable, "-m", "sage.eval", *overrides], capture_output=True, text=True, timeout=600, env=env
-    )
+    r = prefork.run([sys.executable, "-m", "sage.eval", *overrides], timeout=600, env=env)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
     return r
@@ -609,7 +608,7 @@ SHRINK = ["eval.n_samples=4", "eval.ks=[1,4]", "eval.limit=6"]
 @pytest.mark.slow
 def test_sage_eval_gives_the_trainers_numbers(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run(
+    r = prefork.run(
         [
             sys.executable,
             "-m",

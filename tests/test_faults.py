@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -38,7 +39,7 @@ def compose_cfg(config: str, *overrides: str):
 
 
 def entry_point(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: int = 300):
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", module, *overrides],
         capture_output=True,
         text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import prefork
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
@@ -206,7 +207,6 @@ def log_grid(uri: str, root: Path, experiment: str) -> str:
 
 
 def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):
-    import subprocess
     import sys
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -231,9 +231,7 @@ def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):
     script = Path(sys.executable).parent / "sage-report"
     for _ in range(2):
         argv = [str(script), "--tracking-uri", uri, "--experiment", "grid", "--log-to-mlflow"]
-        done = subprocess.run(
-            [*argv, "--out", str(tmp_path / "r" / "report.md")], capture_output=True, text=True
-        )
+        done = prefork.run([*argv, "--out", str(tmp_path / "r" / "report.md")])
         assert done.returncode == 0, done.stderr[-2000:]
     (logged,) = client.search_runs([exp], "tags.`sage.report_of` LIKE '%'")
     assert "report/report.md" in {f.path for f in client.list_artifacts(logged.info.run_id, "report")}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -36,7 +37,7 @@ def cfg_for(*overrides: str):
 
 
 def sage_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "sage.train", *args],
         cwd=REPO,
         capture_output=True,

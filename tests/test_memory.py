@@ -7,10 +7,10 @@ sweeper does with each job's completions, and the cluster warnings (SQLite writt
 folder the jobs must share on a node-local filesystem)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 
@@ -424,7 +424,7 @@ def test_a_slurm_grid_warns_about_sqlite_and_node_local_folders(monkeypatch, tmp
 
 
 def test_the_command_line_runs_as_a_module():
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train.memory", "model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"],
         capture_output=True,
         text=True,

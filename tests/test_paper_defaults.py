@@ -4,10 +4,10 @@ the testbed models keep ``arith_heldout`` and ``eval=<option>`` on the command l
 
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -72,7 +72,7 @@ def test_the_readme_paper_commands_evaluate_the_math_suite():
 def test_cfg_job_of_the_entry_points_shows_the_math_suite(module):
     """What a user sees with ``--cfg job``: the resolved job config of a paper model holds the four
     benchmark sets."""
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", module, "model=qwen2.5-math-7b", "--cfg", "job"],
         capture_output=True,
         text=True,

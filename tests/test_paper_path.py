@@ -5,10 +5,10 @@ groups and keys as ``model=qwen2.5-math-7b``."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 from safetensors.torch import load_file
 
@@ -30,7 +30,7 @@ SHRINK = [
 def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     out = tmp_path / "run"
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train", *SHRINK, f"output_dir={out}"],
         capture_output=True,
         text=True,

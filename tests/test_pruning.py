@@ -6,11 +6,11 @@ evaluation step, and a trial the median pruner judges worse stops early and is s
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import optuna
+import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -105,7 +105,7 @@ def test_the_trial_overrides_carry_the_pruning_callback_with_the_sweepers_pruner
 def study(tmp_path: Path, *args: str, objective: str = "pass_at_1/trained/arith_heldout"):
     """``sage-train -m`` with the median pruner (one startup trial) on a shrunken testbed run that evaluates
     held-out pass@1 after every one of its 3 steps."""
-    return subprocess.run(
+    return prefork.run(
         [
             sys.executable,
             "-m",

@@ -5,7 +5,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import prefork
 import pytest
 
 from analysis import load, report, tables
@@ -222,14 +222,14 @@ def store(tmp_path_factory):
 
     def run(name):
         cmd = [sys.executable, "-m", "sage.train", *SHRINK, f"output_dir={root / name}", *RUNS[name]]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        r = prefork.run(cmd, timeout=900, env=env)
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
         return name, (root / name / "mlflow_run_id").read_text()
 
     with ThreadPoolExecutor(2) as pool:
         ids = dict(pool.map(run, RUNS))
     # sage-eval logs to the same experiment (seed "none"): the report lists it and leaves it out
-    evaluated = subprocess.run(
+    evaluated = prefork.run(
         [sys.executable, "-m", "sage.eval", f"checkpoint={root / 'g0' / 'final'}",
          "tracking.experiment=report", "eval.n_samples=4", "eval.ks=[1,4]", "eval.limit=6", "eval.seeds=[0]"],
         capture_output=True, text=True, timeout=900, env=env,
@@ -254,7 +254,7 @@ def sage_report(store, *args, out=None):
     out = out or store["root"] / "report" / "testbed.md"
     argv = ["--tracking-uri", store["uri"], "--out", str(out), *args]
     script = Path(sys.executable).parent / "sage-report"
-    r = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300)
+    r = prefork.run([str(script), *argv], timeout=300)
     return r, out
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -91,10 +92,8 @@ def entry_point(
     cwd: Path | None = None,
     timeout: int = 300,
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", module, *overrides],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -232,7 +233,7 @@ def test_unsupported_policies_are_named_in_one_line():
 
 def test_a_lora_run_stops_before_anything_is_built(tmp_path):
     """sage-train model=tiny_sft (LoRA SFT, then LoRA RL) rollout=fast: one line, exit 2, no model built."""
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train", "model=tiny_sft", "rollout=fast", f"output_dir={tmp_path}"],
         capture_output=True,
         text=True,
@@ -437,7 +438,7 @@ SHRINK = [
 
 
 def sage_train(*overrides: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train", "rollout=fast", *SHRINK, *overrides],
         capture_output=True,
         text=True,

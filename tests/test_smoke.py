@@ -4,10 +4,10 @@ the schedule of the longer run, evaluations logged once, and exactly as an unint
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,7 +28,7 @@ SHRINK = [
 
 def sage_train(tmp_path, *overrides, check=True):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train", *SHRINK, *overrides],
         capture_output=True,
         text=True,

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import prefork
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -326,9 +327,7 @@ def test_measure_reports_pass_at_k_per_tier_and_the_targets(tmp_path: Path) -> N
 
     path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
     args = ["--model-path", path, "--n-problems", "20", "--k", "256", "--entropy-k", "2"]
-    r = subprocess.run(
-        [sys.executable, "-m", "sage.testbed.measure", *args], capture_output=True, text=True, timeout=600
-    )
+    r = prefork.run([sys.executable, "-m", "sage.testbed.measure", *args], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in r.stdout.splitlines())
     for name in ("pass@1", "pass@256", "easy_pass@1", "tail_pass@256", "strategy_direct"):

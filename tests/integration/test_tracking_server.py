@@ -3,9 +3,9 @@ artifacts go through the server's REST API, a resume continues the same run, and
 
 import json
 import os
-import subprocess
 import sys
 
+import prefork
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -23,10 +23,8 @@ SHRINK = [
 def sage_train(uri, *overrides):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)  # the URI comes from the config here
-    r = subprocess.run(
+    r = prefork.run(
         [sys.executable, "-m", "sage.train", *SHRINK, f"tracking.uri={uri}", *overrides],
-        capture_output=True,
-        text=True,
         timeout=900,
         env=env,
     )
