@@ -18,7 +18,8 @@ What it cannot reproduce, so those runs start a fresh interpreter (:func:`run` d
 The README's commands, the signal and kill tests and the distributed ones keep their own ``subprocess``
 calls and never come here.
 
-``SAGE_TEST_PREFORK=0`` turns it off (every call starts a fresh interpreter).
+``SAGE_TEST_PREFORK=0`` turns it off (every call starts a fresh interpreter); ``SAGE_TEST_PREFORK_LOG=<file>``
+appends a line per fresh interpreter, naming the test and why.
 """
 
 from __future__ import annotations
@@ -257,11 +258,28 @@ class _Server:
             self.proc.kill()
             self.proc.wait()
 
-    def serves(self, env: dict[str, str]) -> bool:
-        """Whether a fresh interpreter given ``env`` would import what the server imported."""
+    def differs(self, env: dict[str, str]) -> list[str]:
+        """The import-time variables of ``env`` a fresh interpreter would import with other values than
+        the server did (none: the server can run it)."""
         keys = {k for k in (*env, *self.env) if k.startswith(IMPORT_TIME_PREFIXES)} - SET_WHEN_USED
-        same = all(env.get(k) in (self.env.get(k), self.loaded_env.get(k)) for k in keys)
-        return same and self.proc.poll() is None
+        return sorted(k for k in keys if env.get(k) not in (self.env.get(k), self.loaded_env.get(k)))
+
+
+def call_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what the test session's own process left in its environment: an import-time variable
+    the call did not set (it has the session's current value) but that differs from the session's start
+    was set by a library or an in-process run of an earlier test (vLLM's engine, ``distributed.init``,
+    scikit-learn's import), not by the call: the run gets the session's starting value."""
+    out = dict(env)
+    for k in {*env, *os.environ, *_SESSION_ENV}:
+        if not k.startswith(IMPORT_TIME_PREFIXES):
+            continue
+        if env.get(k) == os.environ.get(k) != _SESSION_ENV.get(k):
+            if k in _SESSION_ENV:
+                out[k] = _SESSION_ENV[k]
+            else:
+                out.pop(k, None)
+    return out
 
 
 _server: _Server | None = None
@@ -299,7 +317,14 @@ def run(
         raise ValueError("prefork.run captures text output only")
     env = dict(os.environ if env is None else env)
     target = _target_of(argv)
-    if target is None or os.environ.get("SAGE_TEST_PREFORK") == "0" or not _get_server().serves(env):
+    fresh = (
+        target is None or os.environ.get("SAGE_TEST_PREFORK") == "0" or _get_server().differs(call_env(env))
+    )
+    if fresh and os.environ.get("SAGE_TEST_PREFORK_LOG"):  # which runs start fresh, and why
+        with open(os.environ["SAGE_TEST_PREFORK_LOG"], "a") as log:
+            why = fresh if isinstance(fresh, list) else "not an entry point" if target is None else "off"
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')}\t{why}\n")
+    if fresh:
         return subprocess.run(
             argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, check=check
         )
@@ -310,7 +335,7 @@ def run(
         request = {
             **what,
             "args": args,
-            "env": env,
+            "env": call_env(env),
             "cwd": str(Path(cwd or os.getcwd()).resolve()),
             "stdout": out,
             "stderr": err,

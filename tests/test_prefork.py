@@ -39,9 +39,17 @@ def test_the_call_s_environment_and_folder_reach_the_run(tmp_path):
 
 def test_an_import_time_variable_with_another_value_gets_a_fresh_interpreter():
     server = prefork._get_server()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    assert server.serves(env)
-    assert not server.serves({k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"})
-    assert not server.serves({**env, "OMP_NUM_THREADS": "7"})
-    assert not server.serves({**env, "PYTHONPATH": "/elsewhere"})
-    assert server.serves({**env, "MLFLOW_TRACKING_URI": "sqlite:///x.db", "SAGE_CACHE_DIR": "/c"})  # run time
+    env = prefork.call_env({**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert server.differs(env) == []
+    assert server.differs({k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}) == ["HF_HUB_OFFLINE"]
+    assert server.differs({**env, "OMP_NUM_THREADS": "7"}) == ["OMP_NUM_THREADS"]
+    assert server.differs({**env, "PYTHONPATH": "/elsewhere"}) == ["PYTHONPATH"]
+    assert server.differs({**env, "MLFLOW_TRACKING_URI": "sqlite:///x.db", "SAGE_CACHE_DIR": "/c"}) == []
+
+
+def test_what_the_session_s_own_process_left_in_its_environment_is_not_the_call_s(monkeypatch):
+    """A variable an earlier in-process test or import set (vLLM sets VLLM_* and more) is not passed on;
+    one the call sets is."""
+    monkeypatch.setenv("VLLM_LEFT_BEHIND", "1")
+    env = prefork.call_env({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "7"})
+    assert "VLLM_LEFT_BEHIND" not in env and env["OMP_NUM_THREADS"] == "7" and env["HF_HUB_OFFLINE"] == "1"

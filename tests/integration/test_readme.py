@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prefork
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -105,7 +106,9 @@ def one_point(args: list[str]) -> list[str]:
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env, cwd=cwd)
+    # the console scripts fork from the tests' pre-imported interpreter (tests/prefork.py: the same script
+    # file, argv, environment and folder); `make run` and torchrun start fresh ones, as a user's shell does
+    r = prefork.run(argv, timeout=1500, env=env, cwd=cwd)
     assert r.returncode == 0, f"{shlex.join(argv)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return r
 
