@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -257,6 +258,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)  # its socket
 
     def differs(self, env: dict[str, str]) -> list[str]:
         """The import-time variables of ``env`` a fresh interpreter would import with other values than
