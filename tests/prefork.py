@@ -15,8 +15,8 @@ What it cannot reproduce, so those runs start a fresh interpreter (:func:`run` d
 - anything but the entry modules of :data:`MODULES` and the console scripts of :data:`SCRIPTS`
   (``torchrun``, ``make``, ``python -c``);
 - stdin input, ``Popen``.
-The README's commands, the signal and kill tests and the distributed ones keep their own ``subprocess``
-calls and never come here.
+The README's console-script commands come here; its ``make run`` and torchrun, the signal and kill tests
+(Popen) and the distributed ones start fresh interpreters.
 
 ``SAGE_TEST_PREFORK=0`` turns it off (every call starts a fresh interpreter); ``SAGE_TEST_PREFORK_LOG=<file>``
 appends a line per fresh interpreter, naming the test and why.
@@ -33,7 +33,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 MODULES = ("sage.train", "sage.eval", "analysis.report", "sage.train.memory", "sage.testbed.measure")
@@ -189,12 +188,11 @@ def _exit(code: int) -> None:
     (multiprocessing joins its children and logging flushes there), flush stdio. The teardown of every
     module is skipped: in a fork of the server it would copy the whole inherited heap page by page, for
     nothing a run leaves behind."""
-    import atexit as _atexit
     import threading
 
     try:
         threading._shutdown()
-        _atexit._run_exitfuncs()
+        atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -319,9 +317,8 @@ def run(
         raise ValueError("prefork.run captures text output only")
     env = dict(os.environ if env is None else env)
     target = _target_of(argv)
-    fresh = (
-        target is None or os.environ.get("SAGE_TEST_PREFORK") == "0" or _get_server().differs(call_env(env))
-    )
+    forked_env = call_env(env)
+    fresh = target is None or os.environ.get("SAGE_TEST_PREFORK") == "0" or _get_server().differs(forked_env)
     if fresh and os.environ.get("SAGE_TEST_PREFORK_LOG"):  # which runs start fresh, and why
         with open(os.environ["SAGE_TEST_PREFORK_LOG"], "a") as log:
             why = fresh if isinstance(fresh, list) else "not an entry point" if target is None else "off"
@@ -337,7 +334,7 @@ def run(
         request = {
             **what,
             "args": args,
-            "env": call_env(env),
+            "env": forked_env,
             "cwd": str(Path(cwd or os.getcwd()).resolve()),
             "stdout": out,
             "stderr": err,
@@ -347,18 +344,18 @@ def run(
             sock.connect(server.path)
             _send(sock, request)
             pid = _recv(sock)["pid"]
-            deadline = None if timeout is None else time.monotonic() + timeout
             sock.settimeout(timeout)
+            timed_out = False
             try:
                 reply = _recv(sock)
             except TimeoutError:
-                reply = None
+                reply, timed_out = None, True
             if reply is None:  # timed out (or the monitor died): kill the run, as subprocess.run does
                 try:
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
-                if deadline is not None and time.monotonic() >= deadline:
+                if timed_out:
                     raise subprocess.TimeoutExpired(
                         argv, timeout, Path(out).read_text(), Path(err).read_text()
                     )

@@ -26,8 +26,8 @@ def test_a_forked_run_prints_and_exits_as_a_fresh_one(tmp_path):
 
 
 def test_the_call_s_environment_and_folder_reach_the_run(tmp_path):
-    """``sage.train.memory`` writes nothing; a relative ``output_dir`` of sage-train lands in the call's cwd,
-    and a variable read at run time (the MLflow URI) is the call's."""
+    """A relative ``output_dir`` of sage-train lands in the call's cwd, and a variable read at run time (the
+    MLflow URI) is the call's."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": uri}
     argv = [sys.executable, "-m", "sage.train", "trl.max_steps=0", "eval.at_end=false", "output_dir=rel"]
