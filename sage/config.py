@@ -398,6 +398,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.get("sft") is not None:
         check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
+    if cfg.eval.at_end or cfg.eval.every_steps:
+        from sage.eval.sampling import check_backend  # the engine is needed after training: checked before
+
+        check_backend(cfg.eval, str(cfg.model.dtype))
     resume_mode(cfg.resume)
     check_callbacks(cfg)
     check_optimisers(cfg)

@@ -63,6 +63,21 @@ def test_strategy_mix_of_teacher_samples():
     assert mix["direct"] > mix["split"] > 0  # the teacher's skew (0.8 / 0.15 / 0.05)
 
 
+def test_the_testbed_strategy_mix_is_reported_for_testbed_problems_only():
+    """A MATH-500 completion follows none of the testbed's strategies: its run carries no strategy mix,
+    while a testbed run still does."""
+    rows = make_problems("train", 2, 0)
+    rng = random.Random(0)
+    completions = [[teacher_completion(p["a"], p["b"], p["c"], rng)[0]] for p in rows]
+    result = {"completions": [completions], "correct": [np.ones((2, 1), dtype=bool)]}
+    testbed = analyses.sample_analyses(result, rows)
+    assert {f"strategy/{s}" for s in ("direct", "split", "round")} <= set(testbed)
+    assert set(testbed) >= {f"pattern/{p}" for p in PATTERNS}
+    math = [{"problem": "Determine the remainder of 54 (mod 6).", "answer": "0"}, rows[1]]
+    real = analyses.sample_analyses(result, math)
+    assert not any(k.startswith("strategy/") for k in real) and set(real) >= {f"pattern/{p}" for p in PATTERNS}
+
+
 def tiny_model():
     torch.manual_seed(0)
     tok = build_tokenizer()

@@ -231,6 +231,25 @@ def test_guide_with_no_divergence_is_an_error_that_says_why():
         validate(cfg_for("guide=branch", "divergence=none"))
 
 
+def test_vllm_in_bfloat16_on_a_cpu_without_bfloat16_is_refused_before_training(monkeypatch):
+    """vLLM's CPU build emulates bfloat16 on such a CPU and its first realistic step outlives the engine's
+    RPC timeout, after the training the evaluation follows: the run is refused at validation instead, in one
+    line that names the setting to use. A CPU with bfloat16 arithmetic, float32, or the hf backend pass."""
+    import sage.eval.sampling as sampling
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sampling, "cpu_computes_bfloat16", lambda: False)
+    bf16 = ("model=qwen2.5-math-1.5b-instruct", "model.dtype=bfloat16")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_for(*bf16, "eval.backend=vllm"))
+    assert "\n" not in str(e.value) and "set model.dtype=float32" in str(e.value)
+    validate(cfg_for(*bf16, "eval.backend=vllm", "eval.at_end=false"))  # no engine is ever built
+    validate(cfg_for(*bf16, "eval.backend=hf"))
+    validate(cfg_for("model=qwen2.5-math-1.5b-instruct", "model.dtype=float32", "eval.backend=vllm"))
+    monkeypatch.setattr(sampling, "cpu_computes_bfloat16", lambda: True)
+    validate(cfg_for(*bf16, "eval.backend=vllm"))
+
+
 def test_wrong_type_and_unknown_key_and_bad_enum_fail_at_composition():
     with pytest.raises((ConfigCompositionException, ValidationError), match="beta"):
         cfg_for("divergence.beta=lots")

