@@ -75,7 +75,9 @@ def test_the_testbed_strategy_mix_is_reported_for_testbed_problems_only():
     assert set(testbed) >= {f"pattern/{p}" for p in PATTERNS}
     math = [{"problem": "Determine the remainder of 54 (mod 6).", "answer": "0"}, rows[1]]
     real = analyses.sample_analyses(result, math)
-    assert not any(k.startswith("strategy/") for k in real) and set(real) >= {f"pattern/{p}" for p in PATTERNS}
+    assert not any(k.startswith("strategy/") for k in real) and set(real) >= {
+        f"pattern/{p}" for p in PATTERNS
+    }
 
 
 def tiny_model():

@@ -29,14 +29,13 @@ def fresh_seed() -> int:
 
 
 def sage_train(tmp_path: Path, *overrides: str, processes: int) -> subprocess.CompletedProcess:
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-        if processes > 1
-        else [sys.executable]
-    )
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
+    if processes == 1:  # sage-train as a user starts it, forked from the pre-imported server when it can
+        command = [sys.executable, "-m", "sage.train", *overrides]
+        return prefork.run(command, timeout=1500, cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     return subprocess.run(
-        [*launcher, "-m", "sage.train.main", *overrides],
+        [sys.executable, *torchrun, "-m", "sage.train.main", *overrides],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -103,23 +102,28 @@ def test_torchrun_two_processes_record_once(tmp_path):
         assert len([c for c in cells if not c.name.startswith(".")]) == 1  # one cell (and its lock)
         assert r.stdout.count("| trained | arith_heldout |") == 1
         assert not (out / "final.partial").exists()
-    finally:
-        for folder in merged if "merged" in locals() else []:
-            shutil.rmtree(folder, ignore_errors=True)
 
-    # the same run on one process: the same prompts per optimiser step
-    one = sage_train(
-        tmp_path,
-        *common,
-        "eval.at_end=false",
-        "tracking.enabled=false",
-        f"output_dir={tmp_path / 'one'}",
-        processes=1,
-    )
-    assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
-    (single,) = BATCH.findall(one.stdout)
-    assert "64 completions per forward pass x 1 accumulation steps x 1 processes = 64 completions" in single
-    assert "(8 prompts x 8 generations) per optimiser step" in single
+        # the same run on one process: the same prompts per optimiser step (before the cleanup, so that it
+        # reuses the merged SFT model, whose key does not depend on the number of processes, rather than
+        # training and leaving its own)
+        one = sage_train(
+            tmp_path,
+            *common,
+            "eval.at_end=false",
+            "tracking.enabled=false",
+            f"output_dir={tmp_path / 'one'}",
+            processes=1,
+        )
+        assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
+        (single,) = BATCH.findall(one.stdout)
+        assert "64 completions per forward pass x 1 accumulation steps x 1 processes = 64 completions" in (
+            single
+        )
+        assert "(8 prompts x 8 generations) per optimiser step" in single
+    finally:
+        for info in (cache_dir() / "sft").glob("*/sft_info.json"):  # this test's SFT stage(s)
+            if json.loads(info.read_text())["key"]["data"].get("seed") == sft_seed:
+                shutil.rmtree(info.parent, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------- sharded evaluation
@@ -181,7 +185,9 @@ def main():
 if __name__ == "__main__":
     main()
 '''
-EVAL_PROBLEMS = 256  # x 16 samples: 4 blocks of 64 problems (sage.eval.cells.BLOCK_SEQUENCES)
+# x 16 samples: 4 blocks of 48 or 49 problems, the fewest problems that make 4
+# (sage.eval.cells.BLOCK_SEQUENCES)
+EVAL_PROBLEMS = 193
 
 
 def run_eval_script(
@@ -207,14 +213,32 @@ def finished(proc: subprocess.Popen, out: Path, timeout: float = 900) -> None:
     assert proc.wait(timeout=timeout) == 0, (out / "log.txt").read_text()[-5000:]
 
 
+@pytest.fixture(scope="module")
+def held_cell(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """One job samples a cell on one process, holding its lock longer than the collective timeout of a
+    2-process run started meanwhile on the same cell; (the job's output, the 2-process run's, the cells).
+    Two tests read it: the job's cell is the one-process matrix that a 2-process sampling must reproduce,
+    and the 2-process run is the one that waits for another job's cell."""
+    tmp_path = tmp_path_factory.mktemp("held-cell")
+    cells = tmp_path / "cells"
+    first, first_out = run_eval_script(tmp_path, "first", cells, processes=1, hold_s=40)
+    deadline = time.monotonic() + 600
+    while not (first_out / "holding").exists():  # the first job holds the cell's lock
+        assert first.poll() is None and time.monotonic() < deadline, (first_out / "log.txt").read_text()
+        time.sleep(0.5)
+    second, second_out = run_eval_script(tmp_path, "second", cells, processes=2, timeout_s=15)
+    finished(first, first_out)
+    finished(second, second_out)
+    return first_out, second_out, cells
+
+
 @pytest.mark.slow
-def test_two_processes_evaluate_the_one_process_matrix_each_sampling_its_share(tmp_path):
+def test_two_processes_evaluate_the_one_process_matrix_each_sampling_its_share(held_cell, tmp_path):
     import numpy as np
 
     from sage.eval.evaluate import block_seed, problem_blocks
 
-    one, one_out = run_eval_script(tmp_path, "one", tmp_path / "cells-one", processes=1)
-    finished(one, one_out)
+    one_out = held_cell[0]  # sampled by one process alone (its lock held longer changes nothing it samples)
     two, two_out = run_eval_script(tmp_path, "two", tmp_path / "cells-two", processes=2)
     finished(two, two_out)
 
@@ -239,27 +263,22 @@ def test_two_processes_evaluate_the_one_process_matrix_each_sampling_its_share(t
 
 
 @pytest.mark.slow
-def test_a_run_waits_for_another_jobs_cell_on_the_file_system_and_reuses_it(tmp_path):
+def test_a_run_waits_for_another_jobs_cell_on_the_file_system_and_reuses_it(held_cell):
     """A grid's jobs share the base model's cells: while one job samples a cell (holding its lock longer
     than the collective timeout of the other run), the 2-process run waits on the file system (its main
     process on the lock, the other on the main process's decision file), not inside a collective, and
     then reuses the cell: sampled once."""
     import numpy as np
 
-    cells = tmp_path / "cells"
-    first, first_out = run_eval_script(tmp_path, "first", cells, processes=1, hold_s=40)
-    deadline = time.monotonic() + 600
-    while not (first_out / "holding").exists():  # the first job holds the cell's lock
-        assert first.poll() is None and time.monotonic() < deadline, (first_out / "log.txt").read_text()
-        time.sleep(0.5)
-    second, second_out = run_eval_script(tmp_path, "second", cells, processes=2, timeout_s=15)
-    finished(first, first_out)
-    finished(second, second_out)
-    assert first.returncode == 0
+    first_out, second_out, cells = held_cell  # both runs ended with exit status 0 (`finished`)
     for rank in (0, 1):  # the second run sampled nothing
         assert json.loads((second_out / f"rank{rank}.json").read_text()) == {"prompts": 0, "seeds": []}
     assert np.array_equal(np.load(first_out / "correct.npy"), np.load(second_out / "correct.npy"))
     assert not list(cells.rglob("*.decision"))  # the decision files are removed
+
+
+# the held-out set cut to the fewest problems that, at 8 samples each, make 2 blocks (BLOCK_SEQUENCES)
+PERIODIC_PROBLEMS = 130
 
 
 @pytest.mark.slow
@@ -273,7 +292,14 @@ def test_periodic_evaluation_of_two_processes_is_logged_once_with_the_merged_num
 
     out = tmp_path / "run"
     seed = fresh_seed()  # a base-model cell of its own (the base cells are shared)
-    shares = f"eval.n_samples=8 eval.every_n_samples=8 eval.ks=[1,8] eval.seeds=[{seed}] seed={seed}".split()
+    shares = [
+        f"eval.datasets.arith_heldout.n={PERIODIC_PROBLEMS}",
+        "eval.n_samples=8",
+        "eval.every_n_samples=8",
+        "eval.ks=[1,8]",
+        f"eval.seeds=[{seed}]",
+        f"seed={seed}",
+    ]
     r = sage_train(
         tmp_path,
         "trl.max_steps=2",
@@ -286,24 +312,27 @@ def test_periodic_evaluation_of_two_processes_is_logged_once_with_the_merged_num
     )
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-5000:]
-    # 200 held-out problems x 8 samples: 2 blocks, one per process, at each of the 2 periodic evaluations
+    # 130 held-out problems x 8 samples: 2 blocks, one per process, at each of the 2 periodic evaluations
     # and at each of the 2 final ones (base and trained)
     for rank in (0, 1):
-        assert log.count(f"process {rank} of 2: 1 of 2 blocks, 800 completions") == 4, log[-5000:]
+        assert log.count(f"process {rank} of 2: 1 of 2 blocks, 520 completions") == 4, log[-5000:]
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
     history = client.get_metric_history(run.info.run_id, "pass_at_1/periodic/arith_heldout")
     assert [m.step for m in history] == [1, 2]  # once per evaluation step
     records = json.loads((out / "periodic_eval.json").read_text())
-    assert [(rec["step"], rec["problems"]) for rec in records] == [(1, 200), (2, 200)]
+    assert [(rec["step"], rec["problems"]) for rec in records] == [
+        (1, PERIODIC_PROBLEMS),
+        (2, PERIODIC_PROBLEMS),
+    ]
     assert [m.value for m in history] == [rec["pass@1"] for rec in records]
 
     trained = json.loads((out / "eval" / "trained" / "results.json").read_text())["datasets"]["arith_heldout"]
     assert records[-1]["pass@1"] == trained["summary"]["pass@1"]
 
     single = prefork.run(
-        [sys.executable, "-m", "sage.eval", f"checkpoint={out / 'final'}", "eval.limit=null", *shares[:4]]
+        [sys.executable, "-m", "sage.eval", f"checkpoint={out / 'final'}", "eval.limit=null", *shares[:5]]
         + [f"output_dir={tmp_path / 'one'}", "tracking.enabled=false"],
         timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},

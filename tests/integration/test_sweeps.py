@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import prefork
 import pytest
 from omegaconf import OmegaConf
 
@@ -37,8 +38,9 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import sage.train.main  # noqa: F401  (registers the schemas)
+    from sage.config import register_configs
 
+    register_configs()  # the schemas the presets extend (sage-train registers them in main())
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
@@ -94,8 +96,22 @@ def test_table6_on_the_testbed_scales_the_papers_thresholds_by_the_models_defaul
     assert testbed.experiment == paper.experiment and testbed["guide.ratio"] == paper["guide.ratio"]
 
 
+def sweep(env: dict[str, str], *args: str, timeout: float) -> tuple[int, str]:
+    """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) to its end: (exit status,
+    stdout + stderr). Forked from the tests' pre-imported interpreter (tests/prefork.py); the jobs it submits
+    start their own on the SLURM node."""
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", "-m", *args],
+        cwd=REPO,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        timeout=timeout,
+    )
+    return r.returncode, r.stdout + r.stderr
+
+
 def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
-    """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) in the background."""
+    """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) in the background, for the
+    tests that act on its jobs while it runs."""
     return subprocess.Popen(
         [sys.executable, "-m", "sage.train", "-m", *args],
         cwd=REPO,
@@ -194,17 +210,15 @@ def test_grid_through_slurm_every_job_completes(slurm_cluster, mlflow_server, tm
     """A 2 x 2 grid (method x seed) as one SLURM array; each job a real run, tagged in MLflow."""
     sweep_dir = tmp_path / "grid"
     t0 = time.monotonic()
-    rc, log = finish(
-        driver(
-            slurm_cluster,
-            "hydra/launcher=slurm",
-            "experiment=grpo,grpo_branch",
-            "seed=1,2",
-            f"hydra.sweep.dir={sweep_dir}",
-            f"tracking.uri={mlflow_server}",
-            "tracking.experiment=it-grid",
-            *SHRINK,
-        ),
+    rc, log = sweep(
+        slurm_cluster,
+        "hydra/launcher=slurm",
+        "experiment=grpo,grpo_branch",
+        "seed=1,2",
+        f"hydra.sweep.dir={sweep_dir}",
+        f"tracking.uri={mlflow_server}",
+        "tracking.experiment=it-grid",
+        *SHRINK,
         timeout=420,
     )
     assert rc == 0, log[-4000:]
@@ -245,10 +259,8 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
         *SHRINK,
     ]
     t0 = time.monotonic()
-    rc, log = finish(
-        driver(slurm_cluster, *common, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path / 'run1'}"),
-        420,
-    )
+    trials = ["hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path / 'run1'}"]
+    rc, log = sweep(slurm_cluster, *common, *trials, timeout=420)
     assert rc == 0, log[-4000:]
     study = optuna.load_study(study_name="it-study", storage=f"sqlite:///{db}")
     done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
@@ -261,10 +273,8 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
     lost = study.ask({k: v for k, v in done[0].distributions.items()})
     lost_params = dict(lost.params)
 
-    rc, log = finish(
-        driver(slurm_cluster, *common, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={tmp_path / 'run2'}"),
-        300,
-    )
+    trials = ["hydra.sweeper.n_trials=4", f"hydra.sweep.dir={tmp_path / 'run2'}"]
+    rc, log = sweep(slurm_cluster, *common, *trials, timeout=300)
     assert rc == 0, log[-4000:]
     study = optuna.load_study(study_name="it-study", storage=f"sqlite:///{db}")
     by_state = {s: study.get_trials(states=(s,)) for s in optuna.trial.TrialState}
@@ -288,29 +298,25 @@ def test_optuna_study_on_slurm_resumes(slurm_cluster, mlflow_server, tmp_path):
 def test_typo_fails_before_submission(slurm_cluster, tmp_path):
     """A misspelt sweep param or search fails at once with one line naming it; nothing reaches SLURM."""
     base = [f"hydra.sweep.dir={tmp_path / 'never'}", "hydra/launcher=slurm"]
-    rc, log = finish(
-        driver(
-            slurm_cluster,
-            *base,
-            "hparams_search=branch_threshold_ratio",
-            f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
-            "guide.treshold=interval(0.8,2.0)",
-        ),
-        120,
+    rc, log = sweep(
+        slurm_cluster,
+        *base,
+        "hparams_search=branch_threshold_ratio",
+        f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
+        "guide.treshold=interval(0.8,2.0)",
+        timeout=120,
     )
     assert rc != 0 and "guide.treshold" in log, log[-2000:]
-    rc, log = finish(
-        driver(
-            slurm_cluster,
-            *base,
-            "hparams_search=branch_threshold_ratio",
-            f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
-            "guide.ratio=interval(0.5,0.1)",
-        ),
-        120,
+    rc, log = sweep(
+        slurm_cluster,
+        *base,
+        "hparams_search=branch_threshold_ratio",
+        f"hydra.sweeper.storage=sqlite:///{tmp_path / 's.db'}",
+        "guide.ratio=interval(0.5,0.1)",
+        timeout=120,
     )
     assert rc != 0 and "sweep param guide.ratio: interval(0.5, 0.1) needs low < high" in log, log[-2000:]
-    rc, log = finish(driver(slurm_cluster, *base, "hparams_search=tabel1"), 120)
+    rc, log = sweep(slurm_cluster, *base, "hparams_search=tabel1", timeout=120)
     assert rc != 0 and "hparams_search/tabel1" in log, log[-2000:]
     assert not (tmp_path / "never" / ".submitit").exists()
 
@@ -399,19 +405,17 @@ def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server,
     distributed environment exported from SLURM's), which records once: one MLflow run, one final/."""
     sweep_dir = tmp_path / "two-tasks"
     shrink = [o for o in SHRINK if not o.startswith("trl.per_device_train_batch_size=")]
-    rc, log = finish(
-        driver(
-            slurm_cluster,
-            "hydra/launcher=slurm",
-            "hydra.launcher.tasks_per_node=2",
-            "hydra.launcher.cpus_per_task=1",
-            "seed=1",
-            f"hydra.sweep.dir={sweep_dir}",
-            f"tracking.uri={mlflow_server}",
-            "tracking.experiment=it-two-tasks",
-            "trl.per_device_train_batch_size=8",  # x 2 processes: the 16 completions of SHRINK's one process
-            *shrink,
-        ),
+    rc, log = sweep(
+        slurm_cluster,
+        "hydra/launcher=slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.cpus_per_task=1",
+        "seed=1",
+        f"hydra.sweep.dir={sweep_dir}",
+        f"tracking.uri={mlflow_server}",
+        "tracking.experiment=it-two-tasks",
+        "trl.per_device_train_batch_size=8",  # x 2 processes: the 16 completions of SHRINK's one process
+        *shrink,
         timeout=900,
     )
     assert rc == 0, log[-4000:]
