@@ -73,8 +73,8 @@ def check_backend(eval_cfg, dtype: str) -> None:
         # matmul is emulated: a first step that prefills a realistic cell outlives the engine's RPC timeout
         # ("RPC call to execute_model timed out") and the evaluation dies after the training it followed.
         raise ConfigError(
-            "model.dtype=bfloat16 with eval.backend=vllm: this CPU has no bfloat16 arithmetic (no AVX512-BF16 "
-            "or AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
+            "model.dtype=bfloat16 with eval.backend=vllm: this CPU has no bfloat16 arithmetic (no "
+            "AVX512-BF16 or AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
         )
 
 
