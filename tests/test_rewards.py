@@ -294,13 +294,15 @@ def test_adversarial_completions_score_zero_in_the_pool(capsys: pytest.CaptureFi
 def _workers(besides: set[int] = frozenset()) -> list[psutil.Process]:
     """This process's grading workers, bar ``besides`` (other pools'): its spawned children, not
     multiprocessing's resource tracker."""
-    return [
-        c
-        for c in psutil.Process().children(recursive=True)
-        if c.pid not in besides
-        and "spawn_main" in " ".join(c.cmdline())
-        and "resource_tracker" not in " ".join(c.cmdline())
-    ]
+    found = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(c.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # another test's child, exited, not reaped yet
+            continue
+        if c.pid not in besides and "spawn_main" in command and "resource_tracker" not in command:
+            found.append(c)
+    return found
 
 
 def test_pool_kills_and_replaces_a_hung_worker() -> None:
