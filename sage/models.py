@@ -252,5 +252,8 @@ def convert_gguf(file: Path, out: Path, meta: dict) -> None:
     model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
+    # how this process reached the hub is not a property of the model: saved, it would make a conversion
+    # done offline differ from one done online (and so every fingerprint of the folder)
+    tok.init_kwargs.pop("local_files_only", None)
     tok.save_pretrained(out)
     log.info("converted %s (%s) into %s", file.name, meta["name"], out)
