@@ -161,7 +161,6 @@ def test_the_adapter_through_vllm_decodes_as_the_merged_adapter_and_stops_at_the
     for c in completions:
         assert end not in c[:-1]
         assert c[-1] == end or len(c) == MAX_TOKENS, tokenizer.decode(c[-20:])
-    assert any(c[-1] == end for c in completions)  # the end of turn is the eos the engine stops at
 
     def scores(model, prompt, completion):
         ids = torch.tensor([prompt + completion])
