@@ -16,9 +16,10 @@ import prefork
 import pytest
 import torch
 
+from sage.data.benchmarks import math_data
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math" / "math500.jsonl"
 # Level-1 problems this model answers within the length limit, right in some samples and wrong in others
 # (issue 21's measurement): a group of its samples has rewards that differ, which GRPO needs.
 TRAIN = "test/number_theory/342.json"
@@ -39,7 +40,9 @@ def one_core_engine() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
-    rows = {r["unique_id"]: r for r in map(json.loads, MATH500.read_text().splitlines())}
+    rows = {
+        r["unique_id"]: r for r in map(json.loads, Path(math_data("math500.jsonl")).read_text().splitlines())
+    }
     (tmp / "math").mkdir()
     (tmp / "math" / "math500.jsonl").write_text("".join(json.dumps(rows[i]) + "\n" for i in EVAL))
     train = tmp / "train.jsonl"

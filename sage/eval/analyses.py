@@ -198,7 +198,7 @@ def sample_analyses(result: dict, rows: list[dict] | None = None) -> dict[str, f
     follow none of the testbed's strategies: a mix of them would be a figure of nothing."""
     completions, correct = result["completions"][0], result["correct"][0]
     out = {f"pattern/{name}": pattern_frequency(completions, correct, rx) for name, rx in PATTERNS.items()}
-    if rows is None or all(TESTBED_PROBLEM.fullmatch(r["problem"]) for r in rows):
+    if rows is None or testbed_problems(rows) is not None:
         out |= {f"strategy/{name}": v for name, v in strategy_mix(completions).items()}
     if rows is not None:
         for seed_completions, seed_correct in zip(result["completions"], result["correct"], strict=True):
@@ -208,6 +208,12 @@ def sample_analyses(result: dict, rows: list[dict] | None = None) -> dict[str, f
 
 
 TESTBED_PROBLEM = re.compile(r"(\d+)\*(\d+)\+(\d+)=")
+
+
+def testbed_problems(rows: list[dict]) -> list[re.Match] | None:
+    """Each row's testbed problem parsed (a, b, c), or None when any row is not one (a math benchmark)."""
+    parsed = [TESTBED_PROBLEM.fullmatch(r["problem"]) for r in rows]
+    return parsed if all(parsed) else None
 
 
 def tier_figures(
@@ -220,8 +226,8 @@ def tier_figures(
     announces a fork strategy. {} for rows that are not testbed problems (a math benchmark)."""
     from sage.metrics import pass_at_k_curve
 
-    parsed = [TESTBED_PROBLEM.fullmatch(r["problem"]) for r in rows]
-    if not rows or not all(parsed):
+    parsed = testbed_problems(rows)
+    if not parsed:
         return {}
     correct = np.asarray(correct, dtype=bool)
     texts = [t for group in completions for t in group]
