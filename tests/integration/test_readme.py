@@ -64,7 +64,8 @@ COMPOSE_ONLY = {
 # Commands run elsewhere, and why.
 ELSEWHERE = {
     "make test": "it is this test suite (CI runs it: .ci/run)",
-    "make reproduce-testbed": "the fair test of SAGE (the fork world); test_reproduce checks its command (make -n)",
+    "make reproduce-testbed": "the fair test of SAGE: test_reproduce checks its commands (make -n)",
+    "make reproduce-graded": "the graded world's study: its tables are its parts, below",
     "make reproduce-table": "one table of it: tests/integration/test_reproduce.py runs make reproduce-table6",
     "make reproduce-fork": "the fork world's study: test_reproduce checks its command (make -n); its "
     "methods, controls, tier figures and primary comparison run in tests/test_fork_world.py, "

@@ -136,3 +136,41 @@ def test_table4_trains_the_constant_rows_and_takes_the_cosine_rows_from_table1(t
     (experiment,) = [e for e in client.search_experiments() if e.name == "testbed-table4"]
     (run,) = jobs(client.search_runs([experiment.experiment_id]))
     assert run.data.tags["schedule"] == "constant"
+
+
+def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_path: Path) -> None:
+    """`make reproduce-testbed` is issue 22's study: the fork world's base figures, both grids (the rows at 8
+    seeds and those at 3) on one store, the report with the primary comparison declared in the Makefile, and
+    testbed.md assembled from that report, the base model's figures and the provenance, which quotes the
+    commands the grids ran."""
+    repro, results = tmp_path / "repro", tmp_path / "results"
+    where = [f"REPRO={repro}", f"RESULTS={results}"]
+    dry = subprocess.run(
+        ["make", "-C", str(REPO), "-n", "reproduce-testbed", *where], capture_output=True, text=True
+    )
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.replace("\\\n", " ").splitlines()  # a recipe's continued lines as one command
+    (study,) = [ln for ln in lines if "sage-train -m" in ln and "start=$(date +%s)" in ln]  # the timed part
+    grids = [part.split("sage-train ", 1)[1] for part in study.split(" && ") if "sage-train -m" in part]
+    assert len(grids) == 2 and all(
+        "model=tiny_fork" in g and "tracking.experiment=testbed-fork" in g for g in grids
+    )
+    assert (
+        "sage.testbed.measure --model tiny_fork" in study
+        and "--primary 'grpo_branch|arith_tail|256'" in study
+    )
+    (assemble,) = [ln for ln in lines if f"--out {results}/testbed.md" in ln]
+    assert f"--include {results}/testbed_fork_base.md" in assemble and "--experiment testbed-fork" in assemble
+
+    # the provenance alone (sage-report replaced by `true`): the commit and each grid's command as it ran
+    repro.mkdir()
+    (repro / "time_fork.md").write_text("| Fork world | 3 min |\n")
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "reproduce-fork-report", *where, "SAGE_REPORT=true"])
+    assert r.returncode == 0
+    provenance = (results / "testbed_fork_timings.md").read_text()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True
+    )
+    assert f"at commit {head.stdout.strip()}" in provenance and "| Fork world | 3 min |" in provenance
+    for grid in grids:
+        assert f"`sage-train {grid}`" in provenance, grid
