@@ -110,6 +110,10 @@ FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --primary '$(FORK_
   --figures-dir $(RESULTS)/figures_fork --tables-dir $(RESULTS)/tables_fork
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
+# `$(call assembled_at,<target>)`: the provenance sentence of an assembled report (the commit, and whether the
+# tree had uncommitted changes), shared by reproduce-report and reproduce-fork-report
+assembled_at = Assembled by \`make $(1)\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- \
+  || echo ' with uncommitted changes');
 # `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
 timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 	echo "| $(2) | $$(( ($$(date +%s) - start + 30) / 60 )) min |" > $(REPRO)/time_$(1).md
@@ -155,12 +159,11 @@ reproduce-fork: install  ## issue 22's runs: the fork world's base model and stu
 
 reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: report, base model, reading, provenance, wall time
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall time"; echo; \
-	  echo "Assembled by \`make reproduce-fork-report\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- \
-	    || echo ' with uncommitted changes'); the report's provenance line names the commit its runs were made at."; \
+	  echo "$(call assembled_at,reproduce-fork-report) the report's provenance line names the commit its runs were made at."; \
 	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the commands:"; echo; \
 	  echo "- base: \`python -m sage.testbed.measure --model tiny_fork --markdown\`"; \
-	  echo "- 8 seeds: \`sage-train $(FORK_ARGS)\`"; \
-	  echo "- 3 seeds: \`sage-train $(FORK_FEW_ARGS)\`"; \
+	  echo "- seeds $(FORK_SEEDS): \`sage-train $(FORK_ARGS)\`"; \
+	  echo "- seeds $(FORK_FEW_SEEDS): \`sage-train $(FORK_FEW_ARGS)\`"; \
 	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(REPRO)/time_fork.md 2>/dev/null ) > $(RESULTS)/testbed_fork_timings.md
 	$(SAGE_REPORT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_base.md \
 	  $(addprefix --include ,$(wildcard $(RESULTS)/fork_reading.md)) --include $(RESULTS)/testbed_fork_timings.md \
@@ -168,8 +171,7 @@ reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: 
 
 reproduce-report:  ## docs/results/graded.md from the store: Table 1 with the other tables, the reading, provenance and timings
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall times"; echo; \
-	  echo "Assembled by \`make reproduce-report\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- \
-	    || echo ' with uncommitted changes'); each table's provenance line names the commit its runs were made at."; \
+	  echo "$(call assembled_at,reproduce-report) each table's provenance line names the commit its runs were made at."; \
 	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the parts' commands:"; echo; \
 	  echo "- base: \`python -m sage.testbed.measure --markdown\`"; \
 	  echo "- Table 1: \`sage-train $(TABLE1_ARGS)\`"; \
