@@ -100,7 +100,7 @@ FORK_SEEDS ?= 1,2,3,4,5,6,7,8
 FORK_TAIL ?= 100
 FORK_HELDOUT ?= 100
 FORK_PRIMARY = grpo_branch|arith_tail|256
-FORK_ARGS = -m hparams_search=fork seed=$(FORK_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
+FORK_ARGS = -m hparams_search=fork model=tiny_fork seed=$(FORK_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
   eval.n_samples=256 eval.every_steps=50 eval.datasets.arith_heldout.n=$(FORK_HELDOUT) \
   eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=testbed-fork hydra.sweep.dir=$(REPRO)/fork
 FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --primary '$(FORK_PRIMARY)' --min-seeds 8 \
