@@ -108,9 +108,10 @@ FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --primary '$(FORK_
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call assembled_at,<target>)`: the provenance sentence of an assembled report (the commit, and whether the
-# tree had uncommitted changes), shared by reproduce-report and reproduce-fork-report
-assembled_at = Assembled by \`make $(1)\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- \
-  || echo ' with uncommitted changes');
+# tree had uncommitted changes), shared by reproduce-report and reproduce-fork-report. The results folder is
+# left out of the check: the study and the assembly itself write there, so it is never clean after a run.
+assembled_at = Assembled by \`make $(1)\` at commit $$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- . \
+  $(if $(filter /%,$(RESULTS)),,':(exclude)$(RESULTS)') || echo ' with uncommitted changes');
 # `$(call timed,<name>,<label>,<commands>)`: run the commands, then record their wall time for the README
 timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 	echo "| $(2) | $$(( ($$(date +%s) - start + 30) / 60 )) min |" > $(REPRO)/time_$(1).md
