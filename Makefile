@@ -100,10 +100,10 @@ FORK_SEEDS ?= 1,2,3,4,5,6,7,8
 FORK_TAIL ?= 100
 FORK_HELDOUT ?= 100
 FORK_PRIMARY = grpo_branch|arith_tail|256
-# The fork world's step: regime=anchored's beta (0.2) at trl=testbed's learning rate, not the regime's 2e-4. At
-# 2e-4, GRPO's training reward fell below its start for half the run and its held-out pass@1 ended no higher
-# than base's (docs/results/fork_reading.md, "Why the learning rate is 1e-4"); RL that does not raise pass@1
-# is no baseline to test a guide against.
+# The fork world's step: regime=anchored's beta with half the regime's learning rate. At the regime's own, GRPO's
+# training reward dipped deeper mid-run and its held-out pass@1 ended no higher than base's
+# (docs/results/fork_reading.md, "Why the learning rate is 1e-4"); RL that does not raise pass@1 is no
+# baseline to test a guide against.
 FORK_LR = 1e-4
 FORK_ARGS = -m hparams_search=fork model=tiny_fork seed=$(FORK_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
   trl.learning_rate=$(FORK_LR) eval.n_samples=256 eval.every_steps=50 eval.datasets.arith_heldout.n=$(FORK_HELDOUT) \
