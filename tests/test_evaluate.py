@@ -431,12 +431,25 @@ def test_a_dataset_with_no_rows_is_refused_before_any_sampling():
         ev.load_eval_rows(OmegaConf.create(datasets), limit=None)
 
 
-def test_local_benchmark_copies_default_next_to_the_repo(monkeypatch):
+def test_benchmark_files_default_to_the_shipped_copy_and_sage_math_data_overrides(monkeypatch, tmp_path):
+    """A clone has no folder beside it: the default is the copy inside the package."""
     monkeypatch.delenv("SAGE_MATH_DATA", raising=False)
     repo = Path(__file__).resolve().parents[1]
-    assert Path(math_data("aime24.jsonl")) == repo.parent / "shared/data/math/aime24.jsonl"
-    monkeypatch.setenv("SAGE_MATH_DATA", "/data")
-    assert math_data("amc23.jsonl") == "/data/amc23.jsonl"
+    assert Path(math_data("aime24.jsonl")) == repo / "sage/data/math/aime24.jsonl"
+    (tmp_path / "amc23.jsonl").write_text('{"id": 1, "problem": "1+1?", "answer": 2}\n')
+    monkeypatch.setenv("SAGE_MATH_DATA", str(tmp_path))
+    assert math_data("amc23.jsonl") == str(tmp_path / "amc23.jsonl")
+
+
+def test_a_missing_benchmark_file_names_sage_math_data_and_its_hub_id(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGE_MATH_DATA", str(tmp_path))
+    eval_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/eval/aime24.yaml")
+    with pytest.raises(ev.ConfigError) as error:
+        ev.load_eval_rows(eval_cfg.datasets, limit=None)
+    line = str(error.value)
+    assert "\n" not in line
+    assert f"{tmp_path}/aime24.jsonl" in line
+    assert "$SAGE_MATH_DATA" in line and "'HuggingFaceH4/aime_2024'" in line
 
 
 def sage_eval(

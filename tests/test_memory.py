@@ -6,7 +6,6 @@ paper model planned to fit an 80 GiB GPU with the README's commands, a Hydra gri
 sweeper does with each job's completions, and the cluster warnings (SQLite written from several nodes, a
 folder the jobs must share on a node-local filesystem)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,8 +22,6 @@ from sage.train.memory import (
     shared_folder_warnings,
 )
 
-MATH_DATA = Path(os.environ.get("SAGE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
-needs_math_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"benchmark files not in {MATH_DATA}")
 SMALL = Architecture(
     hidden_size=64,
     intermediate_size=160,
@@ -279,7 +276,6 @@ def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion, processe
     assert lines[4].startswith("completions: training 64,000 (1000 steps x 8 prompts x 8 generations)")
 
 
-@needs_math_data
 def test_a_paper_run_counts_the_math_suite_completions(capsys):
     """Issue 20's figure: 506 problems x 256 samples x 3 seeds = 388,608 completions per evaluated model."""
     code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER)

@@ -28,12 +28,36 @@ PathOrId = str | os.PathLike[str]
 RawRow = Mapping[str, Any]
 
 
+# The benchmark files shipped with the package (sage/data/math/PROVENANCE.md says where each comes from).
+SHIPPED_MATH_DATA = Path(__file__).resolve().parent / "math"
+
+# Each shipped file's hub dataset (id, split), named where the file is missing; PROVENANCE.md says how
+# closely each matches the shipped file (not every hub copy has the fields the loader reads).
+MATH_HUB_SOURCES: dict[str, tuple[str, str]] = {
+    "math500.jsonl": ("HuggingFaceH4/MATH-500", "test"),
+    "aime24.jsonl": ("HuggingFaceH4/aime_2024", "train"),
+    "aime25.jsonl": ("yentinglin/aime_2025", "train"),
+    "amc23.jsonl": ("FlippyDora/amc23", "train"),
+    "minerva_math.jsonl": ("math-ai/minervamath", "test"),
+}
+
+
 def math_data(file: str) -> str:
-    """Path of a local benchmark copy: ``$SAGE_MATH_DATA/<file>``, by default ``<repo>/../shared/data/math``
-    (where this project's checkout keeps them). A ``_target_`` rather than an interpolation so that every
-    eval config composes and binds with no resolver registered first."""
-    default = Path(__file__).resolve().parents[3] / "shared" / "data" / "math"
-    return str(Path(os.environ.get("SAGE_MATH_DATA") or default) / file)
+    """Path of a benchmark file: ``$SAGE_MATH_DATA/<file>``, by default the copy shipped in
+    ``sage/data/math``. A ``_target_`` rather than an interpolation so that every eval config composes and
+    binds with no resolver registered first. A missing file is one line naming ``$SAGE_MATH_DATA`` and the
+    file's hub dataset, before any model is built."""
+    folder = Path(os.environ.get("SAGE_MATH_DATA") or SHIPPED_MATH_DATA)
+    path = folder / file
+    if not path.is_file():
+        where = "$SAGE_MATH_DATA" if os.environ.get("SAGE_MATH_DATA") else "the shipped copy"
+        hub = MATH_HUB_SOURCES.get(file)
+        instead = f", or set the dataset's source to its hub id {hub[0]!r} (split {hub[1]!r})" if hub else ""
+        raise FileNotFoundError(
+            f"benchmark file not found: {path} ({where}); set $SAGE_MATH_DATA to a folder holding {file}"
+            f"{instead}"
+        )
+    return str(path)
 
 
 class BenchmarkUnavailable(RuntimeError):
