@@ -815,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: {w}", file=sys.stderr)
     print(f"report: {args.out} ({len(rep.tables)} tables, {len(rep.figures)} figures)")
     if args.log_to_mlflow:
-        from sage.grid import log_report_files, report_parent
+        from sage.parent_runs import log_report_files, report_parent
 
         key = f"experiment={args.experiment} filter={args.filter} run_ids={args.run_ids}"
         run_id = report_parent(client, args.experiment, key)

@@ -22,20 +22,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from sage.parent_runs import PARENT_KIND, PARENT_NOTE, log_report_files
 from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
 log = logging.getLogger(__name__)
 
 SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid: the sweep dir it was launched into
 STUDY_TAG = "sage.optuna_study"  # the parent of an Optuna study: study_key's value
-REPORT_TAG = "sage.report_of"  # the parent made by sage-report --log-to-mlflow: what it reports on
-PARENT_KIND = "grid"  # its sage.kind: sage-report lists it and leaves it out of every table
 # Overrides that never tell two jobs' results apart (where a job writes, logs, resumes): not in run names.
 UNNAMED = ("hydra", "tracking", "callbacks", "resume", "output_dir")
-PARENT_NOTE = (
-    "The parent run of a grid or study: its runs are nested under it. Its artifacts under report/ are "
-    "sage-report's output over those runs: report.md, figures/*.png, tables/*.csv."
-)
 
 
 def name_keys(job_overrides: Sequence[Sequence[str]]) -> list[str]:
@@ -132,30 +127,3 @@ def log_report(client, run_id: str, uri: str, experiment: str, filter_string: st
             return errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else f"exit {code}"
         log_report_files(client, run_id, out, out.parent / "figures", out.parent / "tables")
     return None
-
-
-def log_report_files(client, run_id: str, markdown: Path, figures: Path, tables: Path) -> None:
-    """A written report into run ``run_id``: ``report/<name>.md``, ``report/figures``, ``report/tables``."""
-    client.log_artifact(run_id, str(markdown), artifact_path="report")
-    for folder in (figures, tables):
-        if folder.is_dir() and any(folder.iterdir()):
-            client.log_artifacts(run_id, str(folder), artifact_path=f"report/{folder.name}")
-
-
-def report_parent(client, experiment: str, key: str) -> str:
-    """The parent run sage-report --log-to-mlflow logs into for ``key`` (experiment, filter, run ids):
-    the one an earlier call made, else a new one in the first experiment named."""
-    from mlflow.exceptions import MlflowException
-
-    name = experiment.split(",")[0].strip()
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        raise MlflowException(f"no experiment {name!r}")
-    quote = '"' if "'" in key else "'"  # a filter such as tags.guide != 'none'
-    earlier = client.search_runs(
-        [exp.experiment_id], f"tags.`{REPORT_TAG}` = {quote}{key}{quote}", max_results=1
-    )
-    if earlier:
-        return earlier[0].info.run_id
-    tags = {REPORT_TAG: key, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
-    return client.create_run(exp.experiment_id, run_name=f"report-{name}", tags=tags).info.run_id

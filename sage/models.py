@@ -77,6 +77,16 @@ def policy_dtype(dtype: str, lora: bool) -> str:
 GGUF_MARKER = "sage_source.json"  # written last into a converted folder: provenance, and "complete"
 
 
+def lora_config(cfg):
+    """peft's LoraConfig from ``model.lora`` (None: full fine-tuning), with only the keys it changes from
+    peft's defaults. Here, not in an entry point: the SFT stage and the RL entry point both read it."""
+    if cfg.model.lora is None:
+        return None
+    from sage.config import changed_only, instantiate_node
+
+    return instantiate_node(changed_only(cfg.model.lora))
+
+
 def from_gguf(path: str) -> str:
     """``model.source`` for a GGUF file, or a folder holding exactly one: converted once (per file content)
     into an ordinary Hugging Face folder in the model cache, which every later run reuses; returns it.

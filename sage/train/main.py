@@ -35,6 +35,7 @@ from sage.config import (
     validate,
 )
 from sage.metrics import metric_name
+from sage.models import lora_config
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
 from sage.reaper import reap_on_exit
 from sage.run_folder import (
@@ -92,11 +93,6 @@ def grpo_args(cfg: DictConfig, output_dir: Path):
         max_completion_length=cfg.model.max_completion_length,
         model_init_kwargs={"dtype": dtype, **(cfg.trl.model_init_kwargs or {})},
     )
-
-
-def lora_config(cfg: DictConfig):
-    """peft's LoraConfig from ``model.lora`` (None: full fine-tuning)."""
-    return None if cfg.model.lora is None else library_config(cfg.model.lora)
 
 
 def rollout_function(cfg: DictConfig, args):

@@ -250,7 +250,7 @@ def main() -> None:
     """``python -m sage.train.sft <config.yaml> <base model> <folder>``: the SFT stage alone, in the
     process ``run_sft`` starts for it when the effective batch cannot be shared."""
     from sage.config import register_configs
-    from sage.train.main import lora_config
+    from sage.models import lora_config
 
     register_configs()  # TRL's and peft's schemas: what changed_only and lora_config compare against
     config, base_path, folder = sys.argv[1:]
