@@ -2,8 +2,9 @@
 results.
 
 - **Identity.** The resolved config minus the keys a resume may change is recorded in ``identity.json``
-  when a run starts in the folder. ``resume=true|auto`` with another identity is one line naming the
-  keys that differ, before anything in the folder changes. Those keys are listed once, here:
+  when a run starts in the folder. A run into a folder that holds anything of a run (a ``final/``, a
+  checkpoint, ``config.yaml``, ``identity.json``) with another identity is one line naming the keys that
+  differ, whatever ``resume`` says, before anything in the folder changes. Those keys are listed once, here:
   ``EXTENDING_KEYS`` extend a run or measure it differently (``trl.max_steps``, ``eval.*``), and
   ``NO_RESULT_KEYS`` change no number the run reports (where it logs, how often it saves, ...).
   sage-report never splits rows on the second list. A sweep job's folder is named by its overrides minus
@@ -102,13 +103,30 @@ def recorded_identity(out: Path) -> dict[str, Any] | None:
     return None
 
 
+def run_traces(out: Path) -> list[str]:
+    """What of a run ``out`` holds: a model (``final/``, ``final-step-N/``), a checkpoint, its config."""
+    found = [p.name for p in sorted(out.glob("final*")) if p.is_dir() and not p.name.endswith(".partial")]
+    found += [f"rl/{p.name}" for p in sorted((out / "rl").glob("checkpoint-*")) if p.is_dir()]
+    found += [name for name in (CONFIG_FILE, IDENTITY_FILE) if (out / name).is_file()]
+    return found
+
+
 def check_identity(cfg, out: Path) -> None:
-    """A resume into ``out`` must have the config of the run it continues: a ConfigError naming every key
-    that differs otherwise (before the caller changes anything in the folder)."""
+    """A run into ``out`` must have the config of the run whose traces the folder holds, whatever ``resume``
+    says (a finished run without checkpoints would otherwise skip RL and report its old model under the new
+    config): a ConfigError naming every key that differs otherwise, before the caller changes anything in
+    the folder. A folder with a model or checkpoint but no recorded config is refused too: what it holds
+    cannot be told apart from another config's run."""
     from sage.config import ConfigError
 
     recorded = recorded_identity(out)
     if recorded is None:
+        traces = run_traces(out)
+        if traces:
+            raise ConfigError(
+                f"output_dir={out} holds a run ({', '.join(traces[:4])}) but neither {IDENTITY_FILE} nor "
+                f"{CONFIG_FILE}, so its config is unknown: choose another output_dir"
+            )
         return
     now = identity(cfg)
     both = sorted(k for k in recorded.keys() & now.keys() if recorded[k] != now[k])

@@ -314,8 +314,9 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
     from sage.config import Resume, resume_mode
 
     resume = resume_mode(cfg.resume)
-    if resume != Resume.false:  # a resume continues the folder's own config, or nothing changes in it
-        on_main(lambda: check_identity(cfg, out))
+    # A folder holding anything of a run takes only that run's config, whatever `resume` says: a finished
+    # run without checkpoints would otherwise skip RL and report its old model under the new config.
+    on_main(lambda: check_identity(cfg, out))
     rl_dir = out / "rl"
     if distributed.is_main():
         set_aside_incomplete_checkpoints(rl_dir)
