@@ -665,6 +665,9 @@ def exit_on_config_error(
     try:
         return fn(cfg)
     except ConfigError as e:
+        from sage.paths import restore_hydra_record
+
+        restore_hydra_record()  # a refusal leaves the folder as it was, Hydra's record of it included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:

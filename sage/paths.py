@@ -60,7 +60,61 @@ def hydra_run_dir(output_dir: str | None, default: str) -> str:
 
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    keep_hydra_record(output_dir)
     return str(output_dir)
+
+
+def sweep_job_dir(overrides, _root_) -> str:
+    """``hydra.sweep.subdir`` (``job_dir``); the job folder's Hydra record is kept as ``hydra_run_dir``
+    keeps a run's."""
+    from sage.run_folder import job_dir
+
+    name = job_dir(overrides)
+    sweep_dir = _root_.hydra.sweep.dir if "hydra" in _root_ else None
+    if sweep_dir is not None:
+        keep_hydra_record(Path(str(sweep_dir)) / name)
+    return name
+
+
+# Hydra writes its record of a run (.hydra/config.yaml, hydra.yaml, overrides.yaml) into the run's folder
+# before the task function runs. A refused command leaves the folder as it found it, so the record there
+# before is read when the folder's name is resolved (before Hydra writes) and put back on a refusal
+# (``restore_hydra_record``). None: the folder had no record.
+_HYDRA_RECORDS: dict[Path, dict[str, bytes] | None] = {}
+
+
+def keep_hydra_record(run_dir: str | os.PathLike[str]) -> None:
+    """The Hydra record in ``run_dir`` as it is before this command writes it (the first look counts)."""
+    record = Path(run_dir).resolve() / ".hydra"
+    if record in _HYDRA_RECORDS:
+        return
+    files = sorted(record.iterdir()) if record.is_dir() else None
+    _HYDRA_RECORDS[record] = None if files is None else {p.name: p.read_bytes() for p in files if p.is_file()}
+
+
+def restore_hydra_record() -> None:
+    """The current Hydra job's record as it was before this command wrote it: a refused command writes
+    nothing. Only the main process of a multi-process run restores it (the others wrote the same files)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or os.environ.get("RANK", "0") != "0":
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is None:
+        return
+    record = (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).resolve()
+    if record not in _HYDRA_RECORDS:
+        return
+    before = _HYDRA_RECORDS[record]
+    if before is None:
+        shutil.rmtree(record, ignore_errors=True)
+        return
+    for p in record.iterdir() if record.is_dir() else []:
+        if p.is_file() and p.name not in before:
+            p.unlink()
+    record.mkdir(parents=True, exist_ok=True)
+    for name, data in before.items():
+        (record / name).write_bytes(data)
 
 
 def register_resolvers() -> None:
@@ -68,12 +122,10 @@ def register_resolvers() -> None:
     hydra.run.dir and hydra.sweep.subdir)."""
     from omegaconf import OmegaConf
 
-    from sage.run_folder import job_dir
-
     if not OmegaConf.has_resolver("sage.run_dir"):
         OmegaConf.register_new_resolver("sage.run_dir", hydra_run_dir)
     if not OmegaConf.has_resolver("sage.job_dir"):
-        OmegaConf.register_new_resolver("sage.job_dir", job_dir)
+        OmegaConf.register_new_resolver("sage.job_dir", sweep_job_dir)
 
 
 # Every entry point and test that composes conf/ imports this module (CONF_DIR) before Hydra resolves it.
