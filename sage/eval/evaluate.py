@@ -42,6 +42,7 @@ from sage.eval.cells import (
     CellKey,
     cell_dir,
     load_cell,
+    rows_digest,
     store_cell,
     write_results,
 )
@@ -281,6 +282,7 @@ def evaluate_model(
     with contextlib.ExitStack() as stack:
         for name, rows in rows_by_dataset.items():
             ids = [r["id"] for r in rows]
+            digest = rows_digest(rows)  # rows rewritten under the same ids are other cells
             share = share_size(len(rows), eval_cfg.n_samples)
             per_seed = []
             # One bar per dataset, in this process's completions over all its seeds: a long cell shows its
@@ -290,7 +292,7 @@ def evaluate_model(
                 total=total, desc=f"eval {name}", unit="completion", dynamic_ncols=True, disable=not main
             ) as bar:
                 for seed in eval_cfg.seeds:
-                    key = CellKey(SamplingSettings(seed=seed, **sampling), **identity)
+                    key = CellKey(SamplingSettings(seed=seed, **sampling), **identity, rows=digest)
                     cell = cell_dir(results_dir / name, key)
                     with claim_cell(cell, key, ids) as done:
                         if done is not None:

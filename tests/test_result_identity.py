@@ -1,0 +1,186 @@
+"""A result is what its config, its data and its store say it is (issue 41): a folder without checkpoints,
+changed rows, a re-evaluation and a resumed study never mislabel a number, and a refusal writes nothing.
+
+Each case was first reproduced against the code before the fix (see the issue for what each printed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_evaluate
+from omegaconf import OmegaConf
+from test_robustness import one_line_error, sage_train
+
+from sage.config import ConfigError
+from sage.run_folder import IDENTITY_FILE, check_identity
+
+# the evaluator's fixtures (a tokenizer-only checkpoint, a fake sampler and pool) and its ROWS
+checkpoint, sampler = test_evaluate.checkpoint, test_evaluate.sampler
+ROWS, run = test_evaluate.ROWS, test_evaluate.run
+
+REPO = Path(__file__).resolve().parents[1]
+# A real testbed run, as small as it goes: 2 prompts x 2 completions a step, 4 held-out problems x 2 samples.
+TINY = [
+    "trl.per_device_train_batch_size=4",
+    "trl.num_generations=2",
+    "eval.n_samples=2",
+    "eval.ks=[1,2]",
+    "eval.limit=4",
+]
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from sage.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=list(overrides))
+
+
+def env_for(uri: str) -> dict[str, str]:
+    return {"MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (Hydra's record included) but the log, by content."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+            and p.name != "main.log"}  # fmt: skip
+
+
+# ------------------------------------------------------------------ 1. identity whatever `resume` says
+def test_a_folder_with_a_model_but_no_recorded_config_is_refused(tmp_path):
+    (tmp_path / "final").mkdir()
+    with pytest.raises(ConfigError) as e:
+        check_identity(compose("seed=2"), tmp_path)
+    assert str(e.value) == (
+        f"output_dir={tmp_path} holds a run (final) but neither identity.json nor config.yaml, so its "
+        "config is unknown: choose another output_dir"
+    )
+    check_identity(compose("seed=2"), tmp_path / "empty")  # nothing of a run: any config starts there
+
+
+@pytest.fixture(scope="module")
+def no_checkpoints(tmp_path_factory):
+    """A finished 1-step run that saved no checkpoint (trl.save_strategy=no), at seed 1."""
+    root = tmp_path_factory.mktemp("no_checkpoints")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    run = root / "ns"
+    r = sage_train(
+        *TINY, "trl.max_steps=1", "trl.save_strategy=no", "seed=1", f"output_dir={run}", env=env_for(uri),
+        timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list((run / "rl").glob("checkpoint-*"))
+    return {"root": root, "uri": uri, "run": run}
+
+
+def copy_of(fixture, name: str) -> Path:
+    dst = fixture["root"] / name
+    shutil.copytree(fixture["run"], dst)
+    return dst
+
+
+def train_run_tags(uri: str) -> list[dict[str, str]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sage")
+    return [r.data.tags for r in client.search_runs([exp.experiment_id])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drop_rl", [False, True], ids=["as-left", "rl-removed"])
+def test_a_finished_folder_without_checkpoints_refuses_another_config(no_checkpoints, drop_rl):
+    """`seed=2 guide=branch` into a finished seed-1 GRPO folder without checkpoints (or whose rl/ was
+    removed to save disk) once skipped RL and reported the old model under seed 2 + Branch."""
+    run = copy_of(no_checkpoints, f"other_{drop_rl}")
+    if drop_rl:
+        shutil.rmtree(run / "rl")
+    before = files(run)
+    r = sage_train(*TINY, "trl.max_steps=1", "trl.save_strategy=no", "seed=2", "guide=branch",
+                   f"output_dir={run}", env=env_for(no_checkpoints["uri"]))  # fmt: skip
+    line = one_line_error(r)
+    assert line.startswith(f"error: output_dir={run} holds a run of another config: ")
+    assert "seed=2 (the folder's: 1)" in line and "guide._target_=" in line
+    assert files(run) == before  # config.yaml, identity.json, the model: all the seed-1 run's
+    assert OmegaConf.load(run / "config.yaml").seed == 1
+    assert json.loads((run / IDENTITY_FILE).read_text())["seed"] == 1
+    for tags in train_run_tags(no_checkpoints["uri"]):  # the seed-1 run took no other config
+        assert not [k for k in tags if k.startswith("resumed.")], tags
+
+
+# ------------------------------------------------------------------ 5. a refusal writes nothing
+@pytest.mark.slow
+def test_a_refused_resume_leaves_hydras_record_of_the_folder(no_checkpoints):
+    run = copy_of(no_checkpoints, "refused")
+    record = {name: (run / ".hydra" / name).read_bytes() for name in ("config.yaml", "hydra.yaml",
+                                                                     "overrides.yaml")}  # fmt: skip
+    before = files(run)
+    r = sage_train(*TINY, "resume=true", "seed=7", "guide=branch", f"output_dir={run}",
+                   env=env_for(no_checkpoints["uri"]))  # fmt: skip
+    assert "holds a run of another config" in one_line_error(r)
+    assert {name: (run / ".hydra" / name).read_bytes() for name in record} == record
+    assert files(run) == before
+    # a refused run into a new folder leaves no Hydra record there either
+    fresh = no_checkpoints["root"] / "fresh"
+    r = sage_train("resume=true", f"output_dir={fresh}", env=env_for(no_checkpoints["uri"]))
+    assert "holds no checkpoint" in one_line_error(r)
+    assert not (fresh / ".hydra").exists()
+
+
+# ------------------------------------------------------------------ 2 + 6. cells keyed by content, checked
+def cells_of(results_dir: Path, dataset: str) -> list[Path]:
+    return sorted(p for p in (results_dir / dataset).iterdir() if not p.name.startswith("."))
+
+
+def test_rows_rewritten_under_the_same_ids_are_sampled_again(checkpoint, sampler, tmp_path):
+    """Every problem and gold answer rewritten, the ids kept: the old cells' numbers were reported."""
+    first = run(checkpoint, tmp_path / "res")
+    assert len(sampler.calls) == 4
+    rewritten = {
+        name: [{**r, "problem": f"({r['problem']})", "answer": f"{r['answer']}0"} for r in rows]
+        for name, rows in ROWS.items()
+    }
+    again = run(checkpoint, tmp_path / "res", rows=rewritten)
+    assert len(sampler.calls) == 8  # every cell sampled on the new rows
+    assert len(cells_of(tmp_path / "res", "a")) == 4  # the old rows' cells are kept beside, never reused
+    only_answer = {name: [{**r, "answer": "7"} for r in rows] for name, rows in ROWS.items()}
+    run(checkpoint, tmp_path / "res", rows=only_answer)  # a gold answer alone changes what is graded
+    assert len(sampler.calls) == 12
+    assert again["a"]["summary"] == first["a"]["summary"]  # the fake grades RIGHT against any gold
+
+
+@pytest.mark.parametrize("damage", ["all-true", "truncated", "corrupt-meta", "completions"])
+def test_a_damaged_or_edited_cell_is_set_aside_named_and_sampled_again(
+    checkpoint, sampler, tmp_path, caplog, damage
+):
+    first = run(checkpoint, tmp_path / "res")
+    cell = cells_of(tmp_path / "res", "a")[0]
+    correct = np.load(cell / "correct.npy")
+    assert not correct.all()
+    if damage == "all-true":  # same shape, every sample right: pass@1 = 1.000 was reported
+        np.save(cell / "correct.npy", np.ones_like(correct))
+    elif damage == "truncated":
+        data = (cell / "correct.npy").read_bytes()
+        (cell / "correct.npy").write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt-meta":
+        (cell / "meta.json").write_text('{"key": ')
+    else:
+        (cell / "completions.json").write_text(json.dumps([["x"] * 4] * 3))
+    caplog.set_level("WARNING", logger="sage.eval.cells")
+    again = run(checkpoint, tmp_path / "res")
+    assert len(sampler.calls) == 5  # that cell alone, sampled again
+    assert again["a"]["summary"] == first["a"]["summary"]
+    for x, y in zip(again["a"]["correct"], first["a"]["correct"], strict=True):
+        assert np.array_equal(x, y)
+    aside = cell.with_name(f"{cell.name}.set-aside")
+    assert aside.is_dir() and (cell / "meta.json").is_file()  # kept for inspection; a whole cell in place
+    lines = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert len(lines) == 1 and str(cell) in lines[0] and "\n" not in lines[0]
