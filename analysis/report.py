@@ -8,8 +8,9 @@ Writes the report, every table also as ``<tables-dir>/<name>.{md,tex,csv}``, and
 Only finished ``sage-train`` runs count; a row is one method at one config (see ``analysis.load``), its
 cells mean ± std over the training seeds asked (``--seeds``, default: every seed present). Differences
 between rows (each minus ``--reference`` and minus base) always carry their t interval over problems and
-seeds (``analysis.bootstrap``: seed noise pooled over a table's rows, coverage checked by simulation at 2-5
-seeds), from the correctness matrices each evaluation logged; each table is a family under Holm's correction.
+seeds (``analysis.bootstrap``: each side's own seed noise, Cochran-Cox critical value, coverage checked by
+simulation at 2-8 seeds with unequal seed noise), from the correctness matrices each evaluation logged; each
+table is a family under Holm's correction.
 """
 
 from __future__ import annotations
@@ -254,16 +255,6 @@ class ProblemValues:
             return f"seeds evaluated different (problems, samples): {sorted(shapes)}"
         return shapes.pop()
 
-    def seed_noise(self, rows: Sequence[str], ds: str, k: int, problems: int) -> bootstrap.SeedNoise | None:
-        """The seed noise of ``rows`` (trained rows) at (ds, k), pooled over those evaluated on the same
-        ``problems`` with at least k samples per problem."""
-        usable = [
-            r
-            for r in rows
-            if not isinstance(sh := self.shape(r, ds), str) and sh[0] == problems and sh[1] >= k
-        ]
-        return bootstrap.seed_noise([self.values(r, ds, [k])[0][..., 0] for r in usable])
-
     def values(self, row: str, ds: str, ks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
         """(seeds, problems, len(ks)) per-problem pass@k and the seeds, for a row whose ``shape`` is a
         shape with samples >= max(ks)."""
@@ -292,8 +283,6 @@ def difference_table(
     with its interval, see ``analysis.bootstrap``), or why there is none. The table's cells with an
     interval are one family of comparisons: Holm's correction marks the ones that survive it, and the notes
     say so, with the smallest difference each column could detect."""
-    pooled = [r for r in (*rows, reference) if not r.startswith("base")]
-    noise: dict[tuple[str, int, int], bootstrap.SeedNoise | None] = {}  # one pool per column, not per cell
     out = []
     for row in rows:
         cells: list[tables.Cell] = []
@@ -310,15 +299,7 @@ def difference_table(
                 continue
             a, seeds = pv.values(row, ds, [k])
             b, ref_seeds = pv.values(reference, ds, [k])
-            column = (ds, k, shapes[0][0])
-            if column not in noise:
-                noise[column] = pv.seed_noise(pooled, ds, k, problems=shapes[0][0])
-            interval = bootstrap.difference(
-                a[..., 0],
-                b[..., 0],
-                noise[column],
-                ref_is_base=reference.startswith("base"),
-            )
+            interval = bootstrap.difference(a[..., 0], b[..., 0], ref_is_base=reference.startswith("base"))
             cells.append(Diff(interval, len(seeds), len(ref_seeds), len(asked)))
         out.append((row, cells))
     diffs = [
@@ -360,8 +341,8 @@ def primary_section(
         raise ReportError(
             f"--primary {method}|{ds}|{k}: no trained row {missing[0]!r} (rows: {list(trained_rows)})"
         )
-    # computed as in the table against the reference (the seed noise pooled over the same rows), then
-    # taken out of its family
+    # computed as in the table against the reference (the pair's own seed noise), then taken out of its
+    # family
     others = [r for r in trained_rows if r != ref_row]
     t = difference_table(pv, others, ref_row, [(ds, k)], asked, name="primary", title="primary comparison")
     cell = dict(t.rows)[row][0]
@@ -371,8 +352,8 @@ def primary_section(
         raise ReportError(f"--primary {method}|{ds}|{k}: no difference to report {cell}")
     i = cell.interval
     power = (
-        f"p = {i.p:.3f} (two-sided t, {i.df:.0f} df); the smallest difference this study could detect at "
-        f"{bootstrap.POWER:.0%} power: {i.mde:.3f}"
+        f"p = {i.p:.3f} (two-sided, Cochran-Cox t, {i.df:.0f} effective df); the smallest difference this "
+        f"study could detect at {bootstrap.POWER:.0%} power: {i.mde:.3f}"
         if i.has_interval
         else "no interval: one training seed"
     )
@@ -534,7 +515,7 @@ def make_report(
         columns = [(ds, kk) for ds in datasets for kk in sorted({1, ks[ds], *extra_ks})]
         how = (
             f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} t "
-            "interval (problem noise, and seed noise pooled over the table's trained rows: see "
+            "interval (problem noise, and each side's own seed noise, not pooled over the table: see "
             "analysis/bootstrap.py); a side with one training seed gets none. "
             f"`{tables.MARKER}`: the interval excludes 0; `{tables.HOLM}`: it survives Holm's correction "
             "over the table's family. " + NOISE_SENTENCE

@@ -282,7 +282,7 @@ def built(store):
 @pytest.mark.slow
 def test_the_primary_comparison_comes_first_with_the_tables_interval_outside_its_family(built):
     """--primary: the declared comparison opens the report, with the interval the table against the
-    reference gives it (the same pooled seed noise), its p-value and power, and without the table's Holm
+    reference gives it (the pair's own seed noise), its p-value and power, and without the table's Holm
     mark (it is a family of one)."""
     cell = built.tables["diff_vs_reference"].cell(BRANCH, f"{DS} pass@4")
     first = built.markdown.split("\n## ")[1]
