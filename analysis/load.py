@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from sage.run_folder import NO_RESULT_KEYS, matches
-from sage.tracking import GROUP_TAGS, redact, resolve_uri
+from sage.tracking import GROUP_TAGS, eval_tag, redact, resolve_uri
 
 
 class ReportError(Exception):
@@ -244,13 +244,29 @@ def one_run_per_seed(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     return kept.sort_index(), notes
 
 
+def latest_evaluation(tags: dict[str, str], label: str, dataset: str) -> dict | None:
+    """What a run's latest evaluation of ``label`` on ``dataset`` logged (step, ks, n_samples, seeds), as
+    its tag says; None for a run logged before the tag was kept."""
+    recorded = tags.get(eval_tag(label, dataset))
+    return json.loads(recorded) if recorded else None
+
+
+def _of_latest_evaluation(tags: dict[str, str], label: str, dataset: str, k: int, std: bool) -> bool:
+    """A pass@k point the run's latest evaluation logged: a re-evaluation under other settings leaves the
+    earlier one's points at other ks (and its std, with more seeds) in MLflow, never to be joined to it."""
+    latest = latest_evaluation(tags, label, dataset)
+    return latest is None or (k in latest["ks"] and not (std and latest["seeds"] == 1))
+
+
 def eval_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """Logged pass@k points: run_id, label (base|trained), dataset, k, value, std (over eval seeds)."""
+    """Logged pass@k points of each run's latest evaluation: run_id, label (base|trained), dataset, k,
+    value, std (over eval seeds)."""
     points: dict[tuple, dict] = {}
-    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+    tags_of = runs["tags"] if "tags" in runs else pd.Series([{}] * len(runs), index=runs.index)
+    for run_id, metrics, tags in zip(runs["run_id"], runs["metrics"], tags_of, strict=True):
         for key, value in metrics.items():
             m = EVAL_KEY.match(key)
-            if m:
+            if m and _of_latest_evaluation(tags, m["label"], m["dataset"], int(m["k"]), bool(m["std"])):
                 cell = points.setdefault((run_id, m["label"], m["dataset"], int(m["k"])), {})
                 cell["std" if m["std"] else "value"] = value
     rows = [
@@ -274,13 +290,18 @@ def history_frame(client, run_ids: Sequence[str], key: str) -> pd.DataFrame:
 def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
     """The logged pass@k curves (step = k): run_id, label, dataset, k, value. A run extended after its
     evaluation (``resume=true`` with a larger ``trl.max_steps``) logs its trained curve again at the same k,
-    and MLflow keeps both points: the latest one per k is the curve of the run's final model."""
+    and MLflow keeps both points: the latest one per k is the curve of the run's final model. A run
+    re-evaluated with fewer samples keeps the earlier curve's points beyond the new n: they are left out."""
     parts = []
-    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+    tags_of = runs["tags"] if "tags" in runs else pd.Series([{}] * len(runs), index=runs.index)
+    for run_id, metrics, tags in zip(runs["run_id"], runs["metrics"], tags_of, strict=True):
         for key in metrics:
             m = CURVE_KEY.match(key)
             if m:
                 points = sorted(client.get_metric_history(run_id, key), key=lambda p: (p.step, p.timestamp))
+                latest_eval = latest_evaluation(tags, m["label"], m["dataset"])
+                if latest_eval is not None:
+                    points = [p for p in points if p.step <= latest_eval["n_samples"]]
                 latest = {p.step: p.value for p in points}  # later points of the same k overwrite
                 h = pd.DataFrame({"run_id": run_id, "k": list(latest), "value": list(latest.values())})
                 parts.append(h.assign(label=m["label"], dataset=m["dataset"]))

@@ -152,6 +152,11 @@ def run_name(cfg: DictConfig) -> str:
     return "-".join(parts)
 
 
+def eval_tag(label: str, dataset: str) -> str:
+    """The tag naming what a run's latest evaluation of ``label`` on ``dataset`` logged (Tracker.log_eval)."""
+    return f"sage.eval.{label}.{dataset}"
+
+
 class Tracker:
     """One MLflow run bound to one output folder. Use ``start_run`` (a context manager)."""
 
@@ -204,6 +209,21 @@ class Tracker:
         from sage.metrics import metric_name, pass_at_k_curve
 
         self._eval_steps[label] = step
+        # MLflow keeps every point ever logged, and a run re-evaluated under other settings at the same step
+        # (a resume with other eval.ks or eval.n_samples) still holds the earlier evaluation's pass@k at
+        # other ks and its curve beyond the new n: this tag names what the latest evaluation logged, and
+        # the report reads only that (analysis.load.eval_frame, curve_frame).
+        self.set_tag(
+            eval_tag(label, dataset),
+            json.dumps(
+                {
+                    "step": step,
+                    "ks": sorted(int(k) for k in ks),
+                    "n_samples": int(result["correct"][0].shape[1]),
+                    "seeds": len(result["correct"]),
+                }
+            ),
+        )
         summary = result["summary"]
         if len(result["correct"]) == 1:
             summary = {k: v for k, v in summary.items() if not k.endswith("_std")}
@@ -546,11 +566,15 @@ def start_run(
         run_id = id_file.read_text().strip()
         _write_record(id_file, run_id, uri)  # a folder made before records were kept gets one
         client.update_run(run_id, status="RUNNING")
-        # MLflow params are write-once: what a resume changed (e.g. a longer max_steps) becomes a tag.
-        before = client.get_run(run_id).data.params
+        # MLflow params are write-once: what a resume changed (e.g. a longer max_steps) becomes a tag; one
+        # that an earlier resume changed and this one sets back loses its tag, which would be read as the
+        # run's setting.
+        earlier_run = client.get_run(run_id).data
         for k, v in params.items():
-            if before.get(k) != v:
+            if earlier_run.params.get(k) != v:
                 client.set_tag(run_id, f"resumed.{k}", v)
+            elif f"resumed.{k}" in earlier_run.tags:
+                client.delete_tag(run_id, f"resumed.{k}")
         if cfg.tracking.parent_run_id:  # a grid rerun: the run joins the grid's parent
             client.set_tag(run_id, PARENT_TAG, str(cfg.tracking.parent_run_id))
     else:

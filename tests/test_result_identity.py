@@ -184,3 +184,56 @@ def test_a_damaged_or_edited_cell_is_set_aside_named_and_sampled_again(
     assert aside.is_dir() and (cell / "meta.json").is_file()  # kept for inspection; a whole cell in place
     lines = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
     assert len(lines) == 1 and str(cell) in lines[0] and "\n" not in lines[0]
+
+
+# ------------------------------------------------------------------ 3. one evaluation per (run, label)
+def tracked_cfg(uri: str, n_samples: int, ks: list[int]):
+    """What start_run reads of a config: the tracking node, a seed, the eval keys a resume changes."""
+    from sage.config import TrackingConfig
+
+    cfg = OmegaConf.create({"seed": 1, "method": "grpo", "eval": {"n_samples": n_samples, "ks": ks}})
+    cfg.tracking = OmegaConf.structured(TrackingConfig(uri=uri, experiment="e"))
+    return cfg
+
+
+def evaluation(matrix: np.ndarray, ks: list[int]) -> dict:
+    from sage.metrics import pass_at_k_over_seeds
+
+    return {
+        "summary": pass_at_k_over_seeds([matrix], ks),
+        "correct": [matrix],
+        "completions": [[["x"] * matrix.shape[1]] * matrix.shape[0]],
+    }
+
+
+def test_a_re_evaluation_with_other_settings_is_the_only_one_the_report_reads(tmp_path):
+    """Train with eval.n_samples=4 eval.ks=[1,2,4], resume with n_samples=2 ks=[1,2] at the same step, then
+    with n_samples=4 again: the report once joined pass@4 of the first evaluation to pass@1 of the second,
+    and read the stale tag resumed.eval.n_samples=2 as the run's setting."""
+    from mlflow.tracking import MlflowClient
+
+    from analysis import load
+    from sage.tracking import start_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "run"
+    out.mkdir()
+    four = np.array([[True, False, False, False], [False, False, True, True]])  # pass@1 0.375, pass@4 1
+    two = np.array([[False, False], [True, False]])  # pass@1 0.25, pass@2 0.5
+    for resume, (n, ks, matrix) in enumerate([(4, [1, 2, 4], four), (2, [1, 2], two)]):
+        with start_run(tracked_cfg(uri, n, ks), out, kind="train", resume=bool(resume)) as tracker:
+            tracker.log_eval("trained", "ds", evaluation(matrix, ks), ks, None, step=2)
+            run_id = tracker.run_id
+    client = MlflowClient(uri)
+    runs = load.runs_frame(load.fetch_runs(client, "e"))
+    table = load.eval_frame(runs).set_index("k")["value"].to_dict()
+    assert table == {1: pytest.approx(0.25), 2: pytest.approx(0.5)}  # no pass@4 of the other evaluation
+    curve = load.curve_frame(client, runs).set_index("k")["value"].to_dict()
+    assert curve == {1: pytest.approx(0.25), 2: pytest.approx(0.5)}  # no k = 3, 4 of the first curve
+    assert runs.iloc[0]["params"]["eval.n_samples"] == "2"
+    with start_run(tracked_cfg(uri, 4, [1, 2, 4]), out, kind="train", resume=True):  # back to n = 4
+        pass
+    tags = client.get_run(run_id).data.tags
+    assert not [k for k in tags if k.startswith("resumed.")]  # no stale resumed.eval.n_samples=2
+    runs = load.runs_frame(load.fetch_runs(client, "e"))
+    assert runs.iloc[0]["params"]["eval.n_samples"] == "4"
