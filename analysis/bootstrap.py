@@ -184,7 +184,7 @@ def t_interval(
     if t == 0:
         p = 1.0
     elif critical(parts, dfs, _TINY) < t:
-        p = 0.0  # beyond any level a float can hold
+        p = 0.0  # below 1e-100: reported as 0
     else:  # critical() falls as the level rises: one root in log(level)
         p = math.exp(optimize.brentq(lambda la: critical(parts, dfs, math.exp(la)) - t, math.log(_TINY), 0.0))
     mde = (crit + critical(parts, dfs, 2 * (1 - POWER))) * se
@@ -193,7 +193,8 @@ def t_interval(
     return Interval(diff, diff - crit * se, diff + crit * se, se, df, p, mde)
 
 
-_TINY = 1e-300
+_TINY = 1e-100  # the smallest p-value searched: scipy's t quantile is exact there for any df (at 1e-300
+# it returns +inf on some)
 
 
 def critical(parts: Sequence[float], dfs: Sequence[float], alpha: float) -> float:

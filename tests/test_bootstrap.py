@@ -85,8 +85,14 @@ def test_cochran_cox_critical_value_by_hand():
     assert 0.05 < i.p < 1 and not i.marked
     far = bootstrap.t_interval(5.0, parts, dfs)  # 25 se: marked, p far below .05, consistent with it
     assert far.marked and bootstrap.critical(parts, dfs, far.p) == pytest.approx(25.0)
-    assert 0 < bootstrap.t_interval(1e200, parts, dfs).p < 1e-200  # the 1-df part's Cauchy tail: 2 / (pi t)
-    assert bootstrap.t_interval(1e3, [0.01], [np.inf]).p == 0.0  # a normal tail beyond any float
+    # far out only the 1-df part's Cauchy tail counts: critical ~ (.01 / .04) x 2 / (pi p) = 1e50 / .2
+    assert bootstrap.t_interval(1e50, parts, dfs).p * np.pi * 1e51 == pytest.approx(1, rel=1e-6)
+    assert bootstrap.t_interval(1e3, [0.01], [np.inf]).p == 0.0  # a normal tail below 1e-100
+    # one part: the t test itself, at any degrees of freedom
+    for df in (1, 2.5, 7, 99):
+        for diff in (0.01, 0.05, 0.3):
+            one = bootstrap.t_interval(diff, [0.01], [df])
+            assert one.p == pytest.approx(2 * stats.t.sf(diff / 0.1, df), rel=1e-6) and one.df == pytest.approx(df)
     assert bootstrap.t_interval(0.0, parts, dfs).p == 1.0
     with pytest.raises(ValueError, match="no degrees of freedom"):
         bootstrap.t_interval(0.1, [0.01, 0.02], [3, 0])
