@@ -14,7 +14,10 @@ How it runs a study:
   processes, a SLURM array); each trial gets ``tracking.tags.study`` and ``tracking.tags.trial`` and runs
   in ``<sweep dir>/<study>/<trial number>`` (never in an earlier trial's folder, as a job number would be).
 - The study lives in ``storage`` (SQLite file by default, any SQLAlchemy URL such as PostgreSQL), created or
-  loaded by name. Re-running the same command resumes it: trials already finished count towards
+  loaded by name. A study is one experiment: it records its search space and its fixed overrides (bar
+  ``hydra.*`` and the keys that change no result), and a resume with another space or other fixed overrides
+  is refused in one line naming the difference (another ``hydra.sweeper.study_name`` starts a new study).
+  Re-running the same command resumes it: trials already finished count towards
   ``n_trials``; trials left RUNNING by a killed driver are marked FAIL and their params re-enqueued; a trial
   whose job failed is marked FAIL and retried up to ``max_retries`` times. Only one driver per study may run
   at a time (a second one would take the first one's running trials for lost ones).
@@ -98,6 +101,52 @@ def quote(value: Any) -> str:
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+DEFINITION_ATTR = "sage.definition"  # the study user attribute holding its space and fixed overrides
+
+
+def study_definition(space: dict[str, Any], fixed: Sequence[str]) -> dict[str, Any]:
+    """What makes a study one experiment: its searched keys with their distributions (Optuna's JSON) and
+    its fixed overrides, as key -> value, bar ``hydra.*`` and the keys that change no result (where it
+    logs, ``resume``, ...)."""
+    from optuna.distributions import distribution_to_json
+
+    from sage.run_folder import NO_RESULT_KEYS, matches
+
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in fixed])
+    kept = {
+        o.key_or_group: o.get_value_element_as_str()
+        for o in parsed
+        if not o.key_or_group.startswith(("hydra.", "hydra/")) and not matches(o.key_or_group, NO_RESULT_KEYS)
+    }
+    return {
+        "space": {k: distribution_to_json(d) for k, d in sorted(space.items())},
+        "fixed": dict(sorted(kept.items())),
+    }
+
+
+def definition_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Each way ``now`` differs from the study's ``stored`` definition, as ``key=now (the study's: was)``."""
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "unset"
+        try:  # a distribution, as a person reads it
+            from optuna.distributions import json_to_distribution
+
+            return repr(json_to_distribution(value))
+        except (ValueError, TypeError, KeyError):
+            return str(value)
+
+    out = []
+    for part, what in (("space", "searched over"), ("fixed", "")):
+        was, is_ = stored.get(part, {}), now.get(part, {})
+        for key in sorted(was.keys() | is_.keys()):
+            if was.get(key) != is_.get(key):
+                label = f"{key} {what} " if what else f"{key}="
+                out.append(f"{label}{shown(is_.get(key))} (the study's: {shown(was.get(key))})")
+    return out
 
 
 class SageOptunaSweeper(Sweeper):
@@ -280,7 +329,9 @@ class SageOptunaSweeper(Sweeper):
                     raise SweepError(f"a trial of this sweep cannot be pruned ({s}): {e}") from e
 
     # ---------------------------------------------------------------- the study
-    def create_study(self, space: dict[str, Any]):
+    def create_study(self, space: dict[str, Any], fixed: Sequence[str] = ()):
+        """The study, created or loaded by name; a loaded one must be the same experiment
+        (``check_definition``)."""
         import optuna
 
         sampler = self.sampler
@@ -308,7 +359,28 @@ class SageOptunaSweeper(Sweeper):
                 f"study {self.study_name!r} in {self.storage} has directions {stored}, the config asks for "
                 f"{self.directions}: use another hydra.sweeper.study_name or matching objectives"
             )
+        self.check_definition(study, space, fixed)
         return study
+
+    def check_definition(self, study, space: dict[str, Any], fixed: Sequence[str]) -> None:
+        """A study is one experiment: its trials compare one search space under one config. The first
+        driver records both in the study (``sage.definition``); a resume with another space or other fixed
+        overrides is refused in one line naming the difference, before anything runs (its new trials would
+        train under another config and share a Pareto front with the old ones; a retry of an old trial
+        could fall outside the new space). A study made before definitions were recorded gets this one."""
+        now = study_definition(space, fixed)
+        stored = study.user_attrs.get(DEFINITION_ATTR)
+        if stored is None:
+            study.set_user_attr(DEFINITION_ATTR, now)
+            return
+        differences = definition_differences(stored, now)
+        if differences:
+            more = f"; {len(differences) - 6} more" if len(differences) > 6 else ""
+            raise SweepError(
+                f"study {self.study_name!r} in {self.storage} is another experiment: "
+                f"{'; '.join(differences[:6])}{more}; resume it with its own space and overrides, "
+                "or start a new study with another hydra.sweeper.study_name"
+            )
 
     def recover_lost_trials(self, study) -> None:
         """Trials still RUNNING belong to a killed driver: mark them FAIL and run their params again."""
@@ -342,7 +414,7 @@ class SageOptunaSweeper(Sweeper):
         space, fixed = self.search_space(arguments)
         self.space_keys = list(space)
         self.compose_samples(space, fixed)
-        study = self.create_study(space)
+        study = self.create_study(space, fixed)
         self.recover_lost_trials(study)
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

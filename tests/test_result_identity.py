@@ -237,3 +237,48 @@ def test_a_re_evaluation_with_other_settings_is_the_only_one_the_report_reads(tm
     assert not [k for k in tags if k.startswith("resumed.")]  # no stale resumed.eval.n_samples=2
     runs = load.runs_frame(load.fetch_runs(client, "e"))
     assert runs.iloc[0]["params"]["eval.n_samples"] == "4"
+
+
+# ------------------------------------------------------------------ 4. an Optuna study is one experiment
+def test_a_resumed_study_with_other_fixed_overrides_or_space_is_refused_in_one_line(tmp_path):
+    """Resuming hparams_search=branch_threshold_ratio with trl.learning_rate=3e-4 (it was 1e-4) and
+    guide.ratio=interval(0.9,1.0): new trials once trained at the new rate beside the old ones on one
+    Pareto front, and a retry of an old trial ran outside the new space."""
+    import optuna
+
+    from sweeps.optuna import SageOptunaSweeper, SweepError
+
+    def driver(study_name: str = "s") -> SageOptunaSweeper:
+        return SageOptunaSweeper(
+            study_name=study_name, storage=f"sqlite:///{tmp_path / 'study.db'}", n_trials=2, n_jobs=1,
+            objectives=["a"], weights=None, directions=["maximize"],
+            params={"guide.ratio": "interval(0.1,0.5)"}, choices_as="points", max_retries=1,
+            max_failures=1, sampler=optuna.samplers.RandomSampler(seed=0), pruner=optuna.pruners.NopPruner(),
+        )  # fmt: skip
+
+    fixed = ["guide=branch", "trl.learning_rate=1e-4", "resume=auto", "tracking.experiment=x"]
+    s = driver()
+    space, kept = s.search_space(fixed)
+    study = s.create_study(space, kept)
+    trial = study.ask(space)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    # the same experiment resumes, whatever changes no result (where it logs, resume)
+    driver().create_study(*driver().search_space(["trl.learning_rate=1e-4", "guide=branch", "resume=true"]))
+
+    other_lr = ["guide=branch", "trl.learning_rate=3e-4", "resume=auto"]
+    with pytest.raises(SweepError) as e:
+        driver().create_study(*driver().search_space(other_lr))
+    assert str(e.value) == (
+        f"study 's' in sqlite:///{tmp_path / 'study.db'} is another experiment: trl.learning_rate=0.0003 "
+        "(the study's: 0.0001); resume it with its own space and overrides, or start a new study with "
+        "another hydra.sweeper.study_name"
+    )
+    with pytest.raises(SweepError) as e:
+        driver().create_study(*driver().search_space([*fixed, "guide.ratio=interval(0.9,1.0)"]))
+    message = str(e.value)
+    assert "\n" not in message and "guide.ratio searched over FloatDistribution(high=1.0" in message
+    assert "(the study's: FloatDistribution(high=0.5" in message
+    # a new study name is a new experiment
+    driver("s-lr3e-4").create_study(*driver().search_space(other_lr))
+    stored = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert stored.user_attrs["sage.definition"]["fixed"] == {"guide": "branch", "trl.learning_rate": "0.0001"}
