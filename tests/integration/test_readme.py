@@ -74,16 +74,27 @@ ELSEWHERE = {
 }
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's bash blocks, continuation lines joined, comments dropped."""
-    text = (REPO / "README.md").read_text()
+ACTIVATE = "source .venv/bin/activate"
+
+
+def block_commands(block: str) -> list[str]:
+    """A bash block's commands, continuation lines joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split(" #")[0].strip()
-            if line and not line.startswith("#"):
-                commands.append(" ".join(line.split()))
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if line and not line.startswith("#"):
+            commands.append(" ".join(line.split()))
     return commands
+
+
+def readme_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks, but for the blocks that start by activating `.venv`: those
+    run as written, in a fresh shell (``test_an_activated_block_runs_in_a_fresh_shell``)."""
+    return [c for b in readme_blocks() if ACTIVATE not in block_commands(b) for c in block_commands(b)]
 
 
 def shrink(args: list[str], shrink_to: dict[str, str]) -> list[str]:
@@ -230,3 +241,47 @@ def test_readme_command_runs(i, command, workflow, request):
         rest = [a.replace("docs/results/", f"{root}/report/") for a in rest]
         run([str(BIN / tool), *rest], env, root)
         assert (root / "report").is_dir()
+
+
+def shell_line(command: str) -> str:
+    """A README command as the fresh shell runs it: sage-train shrunk by overrides only, the rest as
+    written, except the MLflow UI, a server that never returns: it is found on PATH and asked for its
+    options (tests/integration/test_mlflow_ui.py serves and renders a store)."""
+    args = shlex.split(command)
+    if args[0] == "sage-train":
+        return shlex.join(["sage-train", *shrink(args[1:], SHRINK_TRAIN)])
+    if args[:2] == ["mlflow", "ui"]:
+        return shlex.join([*args, "--help"]) + " > /dev/null"
+    if command == ACTIVATE or args[0] == "sage-report":
+        return command
+    raise ValueError(f"README command in an activated block not covered by shell_line: {command}")
+
+
+ACTIVATED = [b for b in readme_blocks() if ACTIVATE in block_commands(b)]
+
+
+def test_the_readme_has_an_activated_block():
+    assert ACTIVATED, f"no README bash block starts with {ACTIVATE!r}"
+
+
+@pytest.mark.parametrize("block", ACTIVATED, ids=lambda b: "usage")
+def test_an_activated_block_runs_in_a_fresh_shell(block, tmp_path):
+    """The README's commands as a user types them after the two commands: a fresh shell (no profile, no
+    venv on PATH), the block's lines in order in a folder of its own holding `.venv`, shrunk by overrides."""
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    venv_bins = {str(BIN), str(REPO / ".venv" / "bin")}
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p not in venv_bins)
+    unset = ("VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env |= {"PATH": path, "HF_HUB_OFFLINE": "1"}
+    fresh = ["bash", "--noprofile", "--norc", "-c"]
+    before = subprocess.run([*fresh, "command -v sage-train"], env=env, cwd=tmp_path, capture_output=True)
+    assert before.returncode != 0, "sage-train is on PATH before activation: the shell is not fresh"
+    script = "set -euo pipefail\n" + "\n".join(shell_line(c) for c in block_commands(block))
+    r = subprocess.run([*fresh, script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"{script}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    for command in block_commands(block):
+        if command.startswith("sage-report") and "--out" in command:
+            out = shlex.split(command)[shlex.split(command).index("--out") + 1]
+            assert (tmp_path / out).is_file(), r.stdout[-2000:]
+            assert f"report: {out}" in r.stdout
