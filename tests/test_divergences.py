@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from sage.objective.aggregation import aggregate
 from sage.objective.divergences import (
     ForwardKL,
     NoDivergence,
@@ -16,6 +17,7 @@ from sage.objective.divergences import (
     k2,
     k3,
     sequence_kl,
+    sequence_kl_shares,
 )
 
 
@@ -225,3 +227,86 @@ def test_sequence_kl_value_and_gradient_by_hand():
     assert torch.allclose(logp.grad, torch.tensor([[math.log(2), 0.0]]))
     with pytest.raises(ValueError, match="divergence.beta must be > 0 for sequence_kl"):
         SequenceKL(beta=0.0)
+
+
+# ------------------------------------------------------------------ the two anchors' strength at one beta
+LENGTH, VOCAB = 6, 3
+
+
+def autoregressive_world(seed: int = 0, displacement: float = 0.5):
+    """Every completion of LENGTH tokens from VOCAB (729), a tabular policy (logits per prefix) and a
+    reference whose logits differ by ``displacement`` x N(0, 1): the policy at its first step, away from
+    its reference. Returns (theta, ref logits, (N, LENGTH) prefix ids, (N, LENGTH) tokens)."""
+    import itertools
+
+    ys = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))
+    prefixes = {(): 0}
+    for t in range(1, LENGTH):
+        for p in itertools.product(range(VOCAB), repeat=t):
+            prefixes[p] = len(prefixes)
+    ids = torch.tensor([[prefixes[tuple(y[:t].tolist())] for t in range(LENGTH)] for y in ys])
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(len(prefixes), VOCAB, generator=g, dtype=torch.float64)
+    ref = theta + displacement * torch.randn(len(prefixes), VOCAB, generator=g, dtype=torch.float64)
+    return theta.requires_grad_(), ref, ids, ys
+
+
+def expected_anchor_gradient(per_token_of, theta, ref, ids, ys):
+    """The gradient norm of beta = 1 times the anchor as the trainer adds it (TRL's grpo aggregation: the
+    mean over a completion's tokens, then over completions), in expectation on-policy: every completion
+    weighted by its probability (held fixed, as a sampled loss holds it)."""
+    logp = torch.log_softmax(theta, -1)[ids].gather(-1, ys[..., None])[..., 0]  # (N, LENGTH)
+    ref_logp = torch.log_softmax(ref, -1)[ids].gather(-1, ys[..., None])[..., 0]
+    mask = torch.ones_like(logp)
+    weight = logp.sum(-1).exp().detach() * len(ys)  # N pi(y): the mean over completions is E_pi
+    per_token = per_token_of(logp, ref_logp, mask) * weight[:, None]
+    loss = aggregate(
+        per_token,
+        mask,
+        "grpo",
+        max_completion_length=LENGTH,
+        num_items_in_batch=None,
+        grad_accum_steps=1,
+        steps_per_generation=1,
+        num_processes=1,
+        training=True,
+    )
+    (grad,) = torch.autograd.grad(loss, theta)
+    return grad.norm().item()
+
+
+@pytest.mark.parametrize("displacement", [0.2, 0.5, 1.0])
+def test_sequence_kl_pulls_with_reverse_kls_strength_at_the_same_beta(displacement):
+    """The two anchors' expected gradients at one beta, on one policy and its reference (every completion of
+    6 tokens): divergence=sequence_kl (its completion term spread over the tokens, aggregated as TRL
+    aggregates its policy gradient) is within 2x of divergence=reverse_kl (k3). The undivided sequence
+    term (what the trainer added before) pulled about LENGTH times harder."""
+    world = autoregressive_world(displacement=displacement)
+    reverse = expected_anchor_gradient(lambda lp, rf, m: ReverseKL(1.0).per_token(lp, rf), *world)
+    sequence = expected_anchor_gradient(SequenceKL(1.0).per_token, *world)
+    # before: each completion's whole sequence_kl, averaged over completions (not divided by its length)
+    undivided = expected_anchor_gradient(
+        lambda lp, rf, m: sequence_kl(lp, rf, m)[:, None] * m / m.sum(-1, keepdim=True) * LENGTH, *world
+    )
+    assert reverse > 1e-3
+    assert 0.5 < sequence / reverse < 2, (sequence, reverse)
+    assert undivided / sequence == pytest.approx(LENGTH)
+    assert undivided / reverse > 2 * 2
+
+
+def test_sequence_kl_shares_sum_to_the_completions_term():
+    """Each completion's shares sum to sequence_kl's value and gradient; masked tokens carry nothing; the
+    value per token is the completion's mean log-ratio."""
+    g = torch.Generator().manual_seed(4)
+    logp = torch.randn(3, 5, generator=g, dtype=torch.float64).requires_grad_()
+    ref = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    shares = sequence_kl_shares(logp, ref, mask)
+    whole = sequence_kl(logp, ref, mask)
+    assert torch.allclose(shares.sum(-1), whole)
+    assert torch.all(shares[mask == 0] == 0)
+    assert torch.allclose(shares[1, :2], ((logp - ref)[1, :2].sum() / 2).expand(2))
+    (g_shares,) = torch.autograd.grad(shares.sum(), logp)
+    (g_whole,) = torch.autograd.grad(whole.sum(), logp)
+    assert torch.allclose(g_shares, g_whole)
+    assert torch.equal(SequenceKL(0.1).per_token(logp, ref, mask), shares)

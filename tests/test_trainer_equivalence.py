@@ -185,8 +185,10 @@ def test_branch_guide_shifts_loss_by_the_shaped_term(model_path, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_sequence_anchor_adds_the_sequence_kl_of_the_shaped_anchor(model_path, tmp_path, loss_type):
-    """divergence=sequence_kl: TRL's policy-gradient loss (beta 0) plus beta times the sequences' mean of
-    sequence_kl(log pi, log pi_ref + log q), scaled for accumulation, whatever the loss type."""
+    """divergence=sequence_kl: TRL's policy-gradient loss (beta 0) plus beta times each completion's
+    sequence_kl(log pi, log pi_ref + log q), weighted as the loss type weighs the completion's
+    policy-gradient term and scaled for accumulation: under grpo the mean over completions of
+    sequence_kl / |y|, under dapo the sum of sequence_kl over the batch's tokens. Beta is per token."""
     beta = 0.05
     guide = BranchGuide(ratio=0.3, threshold=0.5)
     none = make(
@@ -205,12 +207,24 @@ def test_sequence_anchor_adds_the_sequence_kl_of_the_shaped_anchor(model_path, t
         mask, ref = inputs["completion_mask"], inputs["ref_per_token_logps"]
         q = guide(logps=logps, ref_logps=ref, entropies=ent, mask=mask, step=0)
         per_sequence = ((logps - ref - q.log()) * mask).sum(-1)  # log pi(y) - log m(y)
-    assert (q != 1).any()
-    expected = beta * per_sequence.mean() / 2  # current_gradient_accumulation_steps = 2
+        lengths = mask.sum(-1)
+    assert (q != 1).any() and lengths.min() < lengths.max()
+    # current_gradient_accumulation_steps = 2; dapo's normaliser is the generation batch's tokens times
+    # accumulation / steps_per_generation, as TRL's
+    if loss_type == "grpo":
+        expected = beta * (per_sequence / lengths).mean() / 2
+    else:
+        expected = (
+            beta * per_sequence.sum() / (inputs["num_items_in_batch"] * 2 / seq.args.steps_per_generation)
+        )
     assert abs(expected.item()) > 1e-4
     assert (l_seq - l_none).item() == pytest.approx(expected.item(), abs=1e-6)
+    # the old rule (each completion's whole term, averaged over completions) is another number
+    assert (l_seq - l_none).item() != pytest.approx((beta * per_sequence.mean() / 2).item(), abs=1e-4)
     assert not torch.allclose(g_seq, g_none)  # the anchor has a gradient
-    assert seq._metrics["train"]["divergence"][-1] == pytest.approx(per_sequence.mean().item(), abs=1e-5)
+    # logged: the anchor per token (its completions' log-ratios over their tokens), before beta
+    per_token = per_sequence.sum() / lengths.sum()
+    assert seq._metrics["train"]["divergence"][-1] == pytest.approx(per_token.item(), abs=1e-5)
 
 
 def test_informative_groups():

@@ -103,20 +103,52 @@ def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) 
     exactly (E[grad log pi] = 0). Per token, k3's gradient at a position is -sum_v q(v) pi_ref(v) grad
     log pi(v): when q_t does not depend on the token v (the branch guide's entropy gate, the random guide's
     noise) that is q_t times the pull towards pi_ref itself, a per-position strength, and the target stays
-    pi_ref. Here log q enters the return of the whole completion, so the optimum of
-    E[r] - beta KL~(pi || m) is pi ∝ q pi_ref exp(r/beta) (docs/anchors.md; tests/test_divergences.py
-    checks both by exact enumeration)."""
+    pi_ref. Here log q enters the return of the whole completion, so a guide that fires after one choice
+    makes that choice's completions more likely (tests/test_divergences.py checks both by exact
+    enumeration). Its size is a whole completion's: about |y| per-token KLs; ``sequence_kl_shares`` is
+    what the trainer aggregates."""
     log_ratio = ((logp - ref_logp) * mask).sum(-1)
     surrogate = log_ratio.detach() * (logp * mask).sum(-1)
     return log_ratio.detach() + (surrogate - surrogate.detach())
 
 
+def sequence_kl_shares(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sequence_kl`` spread over its completion's tokens: (B, T), each unmasked token carrying
+    VALUE log(pi(y)/m(y)) / |y| and GRADIENT that of stopgrad(log(pi(y)/m(y))) * log pi_t, so a
+    completion's shares sum to ``sequence_kl``'s value and gradient (masked tokens carry 0).
+    Aggregated by the loss type's rule (``sage.objective.aggregation.aggregate``) like TRL's policy-gradient
+    term, each completion's anchor gets the weight its policy-gradient term gets: 1/|y| under grpo (the
+    mean over its tokens), 1/(the batch's tokens) under bnpo and dapo, 1/(B * max length) under dr_grpo.
+    So beta is per token, as for ``reverse_kl``: a completion's anchor is its per-token mean log-ratio,
+    where undivided it pulled about |y| times harder than reverse_kl at the same beta."""
+    log_ratio = ((logp - ref_logp) * mask).sum(-1, keepdim=True)  # (B, 1): log pi(y) - log m(y)
+    length = mask.sum(-1, keepdim=True).clamp(min=1.0)
+    value = (log_ratio / length).expand_as(logp)
+    surrogate = log_ratio.detach() * logp
+    return (value.detach() + (surrogate - surrogate.detach())) * mask
+
+
 @dataclass(frozen=True)
 class SequenceKL:
-    """beta * KL~(pi || q pi_ref) over whole completions (``sequence_kl``): the anchor whose optimum is the
-    paper's stationary solution pi ∝ q pi_ref exp(r/beta). On-policy (its gradient assumes the completions
-    were sampled from pi: ``num_iterations`` 1); the trainer averages it over sequences, whatever the loss
-    type's token aggregation."""
+    """beta * KL~(pi || q pi_ref) over whole completions, per token (``sequence_kl_shares``): log q in the
+    return of the whole completion, and each completion's term weighted as TRL weighs its policy-gradient
+    term, so that beta pulls with reverse_kl's strength at the same beta (tests/test_divergences.py
+    measures both by exact expectation).
+
+    Its stationary point under TRL's loss is not the paper's pi ∝ q pi_ref exp(r/beta). With weight w(y)
+    on both a completion's policy-gradient term (advantage A) and its anchor, a softmax policy over
+    completions is stationary where w(y) (E[A|y] - beta log(pi(y)/m(y))) is the same for every y, i.e.
+
+        log pi(y) = log(q pi_ref)(y) + E[A|y] / beta - c |y|    (grpo, w = 1/|y|)
+        log pi(y) = log(q pi_ref)(y) + E[A|y] / beta - c        (bnpo, dapo, dr_grpo: w the same for all y)
+
+    with c fixed by normalisation (under grpo a per-token constant, which favours shorter completions when
+    c > 0 and longer ones when c < 0). A is GRPO's group advantage, (r - mean) / std over the group, so
+    E[A|y] is r rescaled by the group's spread, not r: the reward's temperature is beta times that
+    spread, not beta. The q factor is exact whatever the advantages: a guide multiplies each completion's
+    probability by q(y). (Undivided, as before, it was log pi = log(q pi_ref) + E[A|y] / (beta |y|) + c
+    under grpo.) On-policy (its gradient assumes the completions were sampled from pi: ``num_iterations``
+    1)."""
 
     beta: float
     importance_weighted: ClassVar[bool] = False
@@ -128,8 +160,8 @@ class SequenceKL:
                 f"divergence.beta must be > 0 for sequence_kl (got {self.beta}); use divergence=none"
             )
 
-    def per_sequence(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return sequence_kl(logp, ref_logp, mask)
+    def per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return sequence_kl_shares(logp, ref_logp, mask)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   ``beta * aggregate(divergence(log pi, log pi_ref + log q))`` with TRL's aggregation rule for the loss
   type. Every aggregation rule is linear in the per-token loss, so with q == 1 and k3 the sum is TRL's GRPO
   loss (tested to 1e-6 against TRL itself). ``divergence=sequence_kl`` adds the anchor of whole completions
-  instead, averaged over sequences (``_sequence_term``).
+  instead, each completion's term spread over its tokens (``sequence_kl_shares``) and aggregated by the
+  same rule, so its beta is per token too.
 - ``_get_per_token_logps_and_entropies``: keeps the log-probs and entropies of the loss pass, so guides
   and divergences reuse them: no extra forward pass.
 - ``_calculate_rewards``: unchanged, but its (gathered) rewards are kept for the DAPO filter, as TRL's
@@ -263,10 +264,10 @@ class SageGRPOTrainer(GRPOTrainer):
         self._log_guide(q, mask, step, mode, fork)
         if beta == 0.0:
             return loss
-        if self.divergence.level == "sequence":
-            return loss + beta * self._sequence_term(logps, ref_logps, q, mask, mode)
-
-        per_token = self.divergence.per_token(logps, ref_logps + torch.log(q))  # (B, T)
+        if self.divergence.level == "sequence":  # each completion's term spread over its tokens
+            per_token = self.divergence.per_token(logps, ref_logps + torch.log(q), mask)  # (B, T)
+        else:
+            per_token = self.divergence.per_token(logps, ref_logps + torch.log(q))  # (B, T)
         if self.divergence.importance_weighted:
             per_token = per_token * self._importance_ratio(logps, inputs, mask)
         loss = loss + beta * aggregate(
@@ -284,18 +285,6 @@ class SageGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["divergence"].append(self._masked_mean(per_token, mask))
             self._metrics[mode]["kl"].append(self._masked_mean(k3(logps, ref_logps), mask))
         return loss
-
-    def _sequence_term(self, logps, ref_logps, q, mask, mode: str) -> torch.Tensor:
-        """The anchor over whole completions (``divergence=sequence_kl``): a mean over the micro-batch's
-        sequences, scaled for gradient accumulation as TRL scales its own per-sequence mean (loss type
-        grpo), whatever the loss type's token rule: the anchor of a completion is one number."""
-        per_sequence = self.divergence.per_sequence(logps, ref_logps + torch.log(q), mask)  # (B,)
-        accum = self.current_gradient_accumulation_steps if mode == "train" else 1
-        with torch.no_grad():
-            every = torch.ones_like(per_sequence)
-            self._metrics[mode]["divergence"].append(self._masked_mean(per_sequence.detach(), every))
-            self._metrics[mode]["kl"].append(self._masked_mean(k3(logps, ref_logps), mask))
-        return per_sequence.mean() / accum
 
     def _importance_ratio(self, logps: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
         """pi / pi_old with gradient, token- or sequence-level as TRL's coef_1: (B, T) or (B, 1)."""
