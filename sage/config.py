@@ -386,6 +386,13 @@ def validate(cfg: DictConfig) -> None:
                 "through vLLM here"
             )
     t = cfg.trl
+    # a NaN passes every comparison the divergences and TRL make (NaN <= 0 is false), then fails deep in
+    # the trainer after the MLflow run has started
+    beta = cfg.divergence.beta
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ConfigError(f"divergence.beta must be a finite number >= 0 (got {beta}); 0 is divergence=none")
+    if not (math.isfinite(t.learning_rate) and t.learning_rate > 0):
+        raise ConfigError(f"trl.learning_rate must be a finite number > 0 (got {t.learning_rate})")
     if t.num_generations < 2:
         raise ConfigError(f"trl.num_generations must be >= 2 for group advantages (got {t.num_generations})")
     if t.max_steps < 0:  # transformers' -1 trains by epochs; sage-train's length is in optimiser steps

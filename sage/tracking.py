@@ -518,6 +518,25 @@ def _write_record(id_file: Path, run_id: str, uri: str) -> None:
     _record_file(id_file).write_text(json.dumps(record))
 
 
+def check_run_kept(cfg: DictConfig, out: Path) -> None:
+    """The MLflow run a folder continues must not have been deleted (in the UI, or ``mlflow gc``'s first
+    step): MLflow refuses every write to a deleted run, so each resume would fail after the model was
+    built. A ConfigError naming the run and both ways out, before any work."""
+    if not cfg.tracking.enabled:
+        return
+    from sage.config import ConfigError
+
+    uri = resolve_uri(cfg.tracking.uri)
+    client, _ = open_store(uri, cfg.tracking.experiment)
+    run = _run_in_store(client, out / RUN_ID_FILE)
+    if run is not None and run.info.lifecycle_stage == "deleted":
+        raise ConfigError(
+            f"output_dir={out} continues MLflow run {run.info.run_id}, which was deleted in {redact(uri)}: "
+            "restore it (MLflow UI: the experiment's deleted runs -> Restore, or `mlflow runs restore "
+            f"--run-id {run.info.run_id}`), or use a new output_dir"
+        )
+
+
 def point_eval_run_at(cfg: DictConfig, record: dict, checkpoint: str) -> None:
     """A sage-eval run (``record``: its folder's record) now names ``checkpoint`` as its checkpoint, the
     folder its weights were moved to, when its store is this config's. A run of another store keeps
@@ -554,7 +573,8 @@ def start_run(
     earlier = _run_in_store(client, id_file)
     resumed = earlier is not None and resume
     if earlier is not None and not resume:
-        if earlier.info.status == "RUNNING":  # killed before it could close its run
+        # killed before it could close its run (a deleted run takes no write, and is no one's to close)
+        if earlier.info.status == "RUNNING" and earlier.info.lifecycle_stage != "deleted":
             client.set_terminated(earlier.info.run_id, status="FAILED")
         log.info(
             "MLflow run %s of an earlier attempt in %s is not continued: a new run starts",

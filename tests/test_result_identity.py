@@ -282,3 +282,61 @@ def test_a_resumed_study_with_other_fixed_overrides_or_space_is_refused_in_one_l
     driver("s-lr3e-4").create_study(*driver().search_space(other_lr))
     stored = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
     assert stored.user_attrs["sage.definition"]["fixed"] == {"guide": "branch", "trl.learning_rate": "0.0001"}
+
+
+# ------------------------------------------------------------------ 8. one line, before the MLflow run
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "divergence.beta=nan",
+            "divergence.beta must be a finite number >= 0 (got nan); 0 is divergence=none",
+        ),
+        ("trl.learning_rate=nan", "trl.learning_rate must be a finite number > 0 (got nan)"),
+        ("trl.learning_rate=-1", "trl.learning_rate must be a finite number > 0 (got -1.0)"),
+    ],
+    ids=["beta-nan", "lr-nan", "lr-negative"],
+)
+def test_a_nan_or_negative_beta_or_learning_rate_is_one_line(override, line):
+    from sage.config import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(override))
+    assert str(e.value) == line
+
+
+@pytest.mark.slow
+def test_a_nan_beta_is_refused_before_the_mlflow_run_exists(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    r = sage_train("divergence.beta=nan", f"output_dir={tmp_path / 'run'}", env=env_for(uri))
+    assert one_line_error(r) == (
+        "error: divergence.beta must be a finite number >= 0 (got nan); 0 is divergence=none"
+    )
+    assert not (tmp_path / "mlflow.db").exists() or not train_run_tags(uri)  # no FAILED run left
+    left = {p.name for p in (tmp_path / "run").iterdir()} if (tmp_path / "run").exists() else set()
+    assert left <= {"main.log"}  # Hydra's log alone: its record (.hydra/) is taken back
+
+
+@pytest.mark.slow
+def test_a_folder_whose_mlflow_run_was_deleted_says_how_to_recover(no_checkpoints):
+    """Every resume of such a folder once ended in MLflow's traceback, after the model was built."""
+    from mlflow.tracking import MlflowClient
+
+    from sage.tracking import RUN_ID_FILE
+
+    run = no_checkpoints["run"]
+    client = MlflowClient(no_checkpoints["uri"])
+    run_id = (run / RUN_ID_FILE).read_text().strip()
+    before = files(run)
+    client.delete_run(run_id)
+    try:
+        r = sage_train(*TINY, "trl.max_steps=1", "trl.save_strategy=no", "seed=1", "resume=auto",
+                       f"output_dir={run}", env=env_for(no_checkpoints["uri"]))  # fmt: skip
+        assert one_line_error(r) == (
+            f"error: output_dir={run} continues MLflow run {run_id}, which was deleted in "
+            f"{no_checkpoints['uri']}: restore it (MLflow UI: the experiment's deleted runs -> Restore, or "
+            f"`mlflow runs restore --run-id {run_id}`), or use a new output_dir"
+        )
+        assert files(run) == before
+    finally:
+        client.restore_run(run_id)

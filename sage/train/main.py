@@ -46,7 +46,7 @@ from sage.run_folder import (
     record_identity,
     writer_lock,
 )
-from sage.tracking import check_store, point_eval_run_at, start_run
+from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
 
 log = logging.getLogger("sage.train.main")
 
@@ -340,6 +340,8 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
             f"already trained to: a run can be extended, not shortened; give trl.max_steps >= {reached}, or "
             "another output_dir"
         )
+    if reached >= 0 or (resume != Resume.false and (out / "metrics.json").is_file()):
+        on_main(lambda: check_run_kept(cfg, out))  # the run this one continues, before any work
 
     # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
     # model is built.
