@@ -22,9 +22,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A configuration that composes but cannot run; the message is one line that says what to change."""
+# re-exported: its own module lets sage.paths and sage.run_folder raise it without importing sage.config
+from sage.errors import ConfigError  # noqa: F401
 
 
 # ---------------------------------------------------------------- schemas generated from their targets

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sage import distributed
+from sage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,6 @@ def check_output_dir(path: str | os.PathLike[str], key: str = "output_dir") -> N
     existing ancestor is a folder that takes a new file (tried, not inferred from permission bits, which a
     root user or a read-only mount make misleading). A one-line ConfigError naming ``key`` otherwise;
     nothing is left behind either way."""
-    from sage.config import ConfigError  # deferred: sage.config is imported after this module's users
-
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{key}={path} is a file; give a folder (new or existing)")
@@ -51,8 +50,6 @@ def hydra_run_dir(output_dir: str | None, default: str) -> str:
     reported here, as the one line and exit code 2 of every config error, before Hydra's own traceback."""
     if output_dir is None:
         return default
-    from sage.config import ConfigError
-
     try:
         check_output_dir(output_dir)
     except ConfigError as e:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from sage.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 # Keys whose value changes no number a run reports: where and how it logs, how often it checkpoints, its
@@ -117,8 +119,6 @@ def check_identity(cfg, out: Path) -> None:
     config): a ConfigError naming every key that differs otherwise, before the caller changes anything in
     the folder. A folder with a model or checkpoint but no recorded config is refused too: what it holds
     cannot be told apart from another config's run."""
-    from sage.config import ConfigError
-
     recorded = recorded_identity(out)
     if recorded is None:
         traces = run_traces(out)
@@ -193,7 +193,6 @@ def writer_lock(out: Path) -> Iterator[None]:
     multi-process run get the same one line when it is refused). The lock is released, and its file
     removed, when the block ends; a holder that dies releases it too (its file then stays, naming it)."""
     from sage import distributed
-    from sage.config import ConfigError
 
     held, refused = None, None
     if distributed.is_main():
@@ -214,8 +213,6 @@ def writer_lock(out: Path) -> Iterator[None]:
 
 
 def _acquire(out: Path):
-    from sage.config import ConfigError
-
     path = out / LOCK_FILE
     while True:
         lock = open(path, "a+")  # noqa: SIM115 (held for the life of the run)
@@ -258,7 +255,6 @@ def on_main(check: Callable[[], None]) -> None:
     """``check`` run by the main process alone; its ConfigError stops every process of the run with the
     same one line."""
     from sage import distributed
-    from sage.config import ConfigError
 
     refused = None
     if distributed.is_main():
