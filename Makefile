@@ -61,7 +61,7 @@ clean:  ## remove outputs (keeps the model cache in ~/.cache/sage)
 # The testbed study of issue 15: the base model's figures, Tables 1, 3, 4 and 6 on the graded testbed, each
 # grid logged to one MLflow store and reported by sage-report alone; docs/results/graded.md assembles them.
 # `make reproduce-table1` (3, 4, 6) rebuilds one table. Each part writes how long it took to $(REPRO)/time_*.md.
-# regime=anchored: the learning rate and beta at which the anchor is a force (docs/results/README.md).
+# regime=anchored: the learning rate and beta at which the anchor is a force (docs/results/graded_world.md).
 RESULTS ?= docs/results
 REPRO ?= outputs/reproduce
 REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(abspath $(REPRO))/mlflow.db
