@@ -243,8 +243,15 @@ class BranchGuide:
 @dataclass
 class ForkGuide:
     """A control, not a method: q = ``q`` exactly at the tokens where the testbed's fork world chooses a
-    strategy (``fork``), 1 elsewhere. It is what an oracle that knew where exploration is decided would do
-    at the paper's clamp: if it does not move the outcome, no guide of that size can in this world."""
+    strategy (``fork``), 1 elsewhere. It is an oracle for WHERE exploration is decided, not for what to
+    choose there: every strategy token gets the same q. Under per-token k3 (``divergence=reverse_kl``) it
+    is therefore beta x q at the fork, a stronger pull towards pi_ref, whose target stays pi_ref
+    (docs/anchors.md); under ``divergence=sequence_kl`` it multiplies every completion that passes the
+    fork once by the same q, which normalisation removes. So if it does not move the outcome, that bounds
+    what a guide of the paper's clamp does here through a per-position strength, and nothing else: a
+    token-dependent guide of the same size (q above 1 for one strategy's token only), or one whose q(y)
+    differs between completions under the sequence anchor, moves the target itself, and this control
+    says nothing about those."""
 
     q: float = 1.4
 
