@@ -61,15 +61,17 @@ ANALYSES = [
         "tier_pass",
         "pass@k by tier of the testbed",
         "pass@1 and pass@n of each tier's held-out problems",
-        "Tiers: sage.testbed.task.problem_tier. In the fork world a tail problem is one only the rare "
-        "strategy (`round`) solves.",
+        "Tiers: sage.testbed.task.problem_tier. In the fork world a tail problem is one that only the rare "
+        "strategy (`round`) solves under the teacher's rules; a trained policy can learn to solve some with "
+        "`split` (docs/results/archive/fork_beta_pilot.md).",
     ),
     (
         "rare_share",
         "rare_share",
         "The rare strategy's share by tier (fork world)",
         "fraction of each tier's evaluation samples that follow the rare strategy (`round`)",
-        "The strategy that alone solves tail problems: a method that finds it raises the tail's share.",
+        "Under the teacher's rules the only strategy that solves tail problems; a trained policy can solve "
+        "some without it, so a tail gain need not raise this share.",
     ),
 ]
 
