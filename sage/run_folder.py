@@ -13,7 +13,8 @@ results.
   the run. The file names the holder (pid and host), so a second writer's one line can name it; it is
   removed when the run ends.
 - **Nothing is deleted.** ``keep_earlier_final`` moves a ``final/`` that an extended run replaces, with
-  the ``sage-eval`` results inside it, to ``final-step-N/``.
+  the ``sage-eval`` results inside it, to ``final-step-N/``; it waits for a ``sage-eval`` reading that
+  ``final/`` (``reading``: a shared lock on ``.final.readers.lock`` beside it) to end first.
 - ``publish`` makes a folder appear complete or not at all: files fsynced, then one rename.
 """
 
@@ -297,6 +298,37 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 # ---------------------------------------------------------------- results kept
+def _readers_lock(folder: Path) -> Path:
+    """Beside the folder, not in it: a file inside would change the checkpoint's fingerprint, and the lock
+    must stay with the name, which an extension gives to its new model."""
+    return folder.parent / f".{folder.name}.readers.lock"
+
+
+@contextlib.contextmanager
+def reading(folder: Path) -> Iterator[None]:
+    """``sage-eval``'s hold on a checkpoint folder for as long as it reads the weights and writes its
+    results into ``<folder>/eval``: a shared lock, so that an extension of the run that moves the folder
+    (``keep_earlier_final``) waits for the evaluation to end instead of leaving it without its files. Once
+    the lock is held the folder must still be there: a one-line ConfigError otherwise. A folder whose parent
+    takes no file (a read-only copy, which no run extends) is read without a lock, as a logged line says."""
+    from sage.config import ConfigError
+
+    try:
+        lock = open(_readers_lock(folder), "a+")  # noqa: SIM115 (held for the block)
+    except OSError as e:
+        log.info("%s is read without a lock: %s (%s)", folder, _readers_lock(folder), e.strerror or e)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # an extension holds it only while it renames the folder
+        if not folder.is_dir():
+            raise ConfigError(
+                f"checkpoint={folder} was moved as this evaluation started (an extended run keeps its "
+                "earlier final model as final-step-N/ beside it): evaluate that folder"
+            )
+        yield
+
+
 def keep_earlier_final(
     final: Path, step: int, retag: Callable[[dict, str], None] | None = None
 ) -> Path | None:
@@ -311,7 +343,13 @@ def keep_earlier_final(
     while aside.exists():  # the same step kept before (a run pruned, then extended): keep both
         n += 1
         aside = final.with_name(f"{name}.{n}")
-    os.replace(final, aside)
+    with open(_readers_lock(final), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is being evaluated by sage-eval: waiting for it to end before it moves", final)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        os.replace(final, aside)
     log.info("the earlier final model (step %d) and its evaluations are kept in %s", step, aside)
     eval_dir = aside / "eval"
     for record_file in sorted(eval_dir.glob("mlflow_run_id*.json")) if eval_dir.is_dir() else []:

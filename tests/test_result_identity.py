@@ -340,3 +340,65 @@ def test_a_folder_whose_mlflow_run_was_deleted_says_how_to_recover(no_checkpoint
         assert files(run) == before
     finally:
         client.restore_run(run_id)
+
+
+# ------------------------------------------------------------------ 7. an evaluation holds what it reads
+def test_moving_a_final_model_waits_for_its_evaluation(tmp_path):
+    import threading
+
+    from sage.run_folder import keep_earlier_final, reading
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"weights")
+    with reading(final):
+        mover = threading.Thread(target=keep_earlier_final, args=(final, 2))
+        mover.start()
+        mover.join(timeout=1.0)
+        assert mover.is_alive() and (final / "model.safetensors").is_file()  # waits while it is read
+    mover.join(timeout=30)
+    assert not mover.is_alive() and (tmp_path / "final-step-2" / "model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match=r"checkpoint=.*/final was moved as this evaluation started"):
+        with reading(final):
+            pass
+
+
+@pytest.mark.slow
+def test_sage_eval_of_final_is_not_left_without_its_files_by_an_extension(no_checkpoints):
+    """The extension moved final -> final-step-N while sage-eval sampled: its results had nowhere to go, and
+    its run ended FAILED with a FileNotFoundError."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sage.run_folder import keep_earlier_final
+
+    run = copy_of(no_checkpoints, "read_while_extended")
+    final = run / "final"
+    evaluation = subprocess.Popen(
+        [sys.executable, "-m", "sage.eval", f"checkpoint={final}", "eval.n_samples=2", "eval.ks=[1,2]",
+         "eval.limit=4", "eval.seeds=[5]"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env_for(no_checkpoints["uri"])},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        held = False
+        while not held and evaluation.poll() is None:  # until sage-eval holds final/ for reading
+            time.sleep(0.02)
+            with open(run / ".final.readers.lock", "a+") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    held = True
+        assert held, "sage-eval never held the folder it reads"
+        kept = keep_earlier_final(final, 1)  # what an extension does once it has trained: it waits
+        # the evaluation had written its results into the folder before the folder moved
+        results = json.loads((kept / "eval" / "results.json").read_text())
+    finally:
+        out, err = evaluation.communicate(timeout=600)
+    assert evaluation.returncode == 0, err[-3000:]
+    assert kept == run / "final-step-1"
+    assert results["datasets"]["arith_heldout"]["n_problems"] == 4

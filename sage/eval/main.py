@@ -17,6 +17,7 @@ folder that ``sage-train`` uses for its "base" row, so neither re-samples what t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from sage.config import (
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
 from sage.reaper import reap_on_exit
+from sage.run_folder import reading
 from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")
@@ -93,39 +95,44 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     results_dir = Path(cfg.output_dir).resolve() if cfg.output_dir else default_dir
     max_new_tokens = cfg.eval.max_new_tokens or cfg.model.max_completion_length
     key = settings_key(cfg, model_path, rows, max_new_tokens)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    # One MLflow run per (results folder, settings key): other settings are another run, so a run's numbers
-    # are those of its settings; the same settings again continue their run and log only what is missing.
-    with start_run(cfg, results_dir, kind="eval", key=key) as tracker:
-        if tracker is not None:
-            tracker.set_tag("checkpoint", model_path)
-        res = evaluate_model(
-            model_path,
-            rows,
-            cfg.eval,
-            chat=cfg.model.chat,
-            max_new_tokens=max_new_tokens,
-            results_dir=results_dir,
-            dtype=str(cfg.model.dtype.value),
-        )
-        if tracker is not None:
-            logged = tracker.client.get_run(tracker.run_id).data.metrics
-            new = {ds: r for ds, r in res.items() if metric_name(label, ds, "pass@1") not in logged}
-            for ds, r in new.items():
-                shown = cfg.tracking.completions_sample
-                tracker.log_eval(label, ds, r, list(cfg.eval.ks), shown, rows=rows[ds])
-            # every dataset: log_analyses scores only those whose perplexities the run lacks (a rerun after
-            # a failed analysis completes it)
-            log_analyses(
-                tracker,
-                label,
+    # A checkpoint folder is held for reading until its results are written: an extension of its run that
+    # moves it to final-step-N/ meanwhile waits (sage.run_folder.reading).
+    held = reading(Path(model_path)) if cfg.checkpoint is not None else contextlib.nullcontext()
+    with held:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        # One MLflow run per (results folder, settings key): other settings are another run, so a run's
+        # numbers are those of its settings; the same settings again continue their run and log only what is
+        # missing.
+        with start_run(cfg, results_dir, kind="eval", key=key) as tracker:
+            if tracker is not None:
+                tracker.set_tag("checkpoint", model_path)
+            res = evaluate_model(
+                model_path,
                 rows,
-                res,
+                cfg.eval,
                 chat=cfg.model.chat,
-                base=perplexity_base(cfg, model_path),
-                cap=cfg.eval.perplexity_cap,
+                max_new_tokens=max_new_tokens,
+                results_dir=results_dir,
                 dtype=str(cfg.model.dtype.value),
             )
+            if tracker is not None:
+                logged = tracker.client.get_run(tracker.run_id).data.metrics
+                new = {ds: r for ds, r in res.items() if metric_name(label, ds, "pass@1") not in logged}
+                for ds, r in new.items():
+                    shown = cfg.tracking.completions_sample
+                    tracker.log_eval(label, ds, r, list(cfg.eval.ks), shown, rows=rows[ds])
+                # every dataset: log_analyses scores only those whose perplexities the run lacks (a rerun
+                # after a failed analysis completes it)
+                log_analyses(
+                    tracker,
+                    label,
+                    rows,
+                    res,
+                    chat=cfg.model.chat,
+                    base=perplexity_base(cfg, model_path),
+                    cap=cfg.eval.perplexity_cap,
+                    dtype=str(cfg.model.dtype.value),
+                )
     summaries = {ds: r["summary"] for ds, r in res.items()}
     print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
     print(f"\nresults: {results_dir / 'results.json'}")
