@@ -555,6 +555,17 @@ class Terminated(KeyboardInterrupt):
     grading pool, finished checkpoints and cells kept."""
 
 
+def interrupted_state(rerun: str) -> str:
+    """What an interruption left, naming only what exists: the MLflow runs this process closed KILLED and
+    what a rerun continues, or, before any run started (building the base model, say), that nothing was
+    recorded."""
+    from sage.tracking import killed_runs
+
+    if not killed_runs():
+        return "no MLflow run had started and nothing was recorded; rerun the same command to start"
+    return f"the MLflow run is marked KILLED; finished checkpoints and evaluation cells are kept ({rerun})"
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
     import signal
 
@@ -668,6 +679,9 @@ def exit_on_config_error(
     )
     if ours:
         signal.signal(signal.SIGTERM, _raise_terminated)
+    from sage.tracking import forget_killed_runs
+
+    forget_killed_runs()  # an interruption names only this command's runs
     try:
         return fn(cfg)
     except ConfigError as e:
@@ -681,11 +695,7 @@ def exit_on_config_error(
         what, code = ("interrupted (Ctrl-C)", 130)
         if isinstance(e, Terminated):
             what, code = ("terminated (SIGTERM)", 143)
-        print(
-            f"{what}: the MLflow run is marked KILLED; finished checkpoints and evaluation cells are kept "
-            f"({rerun})",
-            file=sys.stderr,
-        )
+        print(f"{what}: {interrupted_state(rerun)}", file=sys.stderr)
         sys.exit(code)
     except Exception as e:
         line = full_disk(e, cfg)

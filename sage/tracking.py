@@ -630,9 +630,26 @@ def start_run(
     try:
         yield tracker
     except BaseException as e:
-        client.set_terminated(run_id, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        killed = isinstance(e, KeyboardInterrupt)
+        client.set_terminated(run_id, status="KILLED" if killed else "FAILED")
+        if killed:
+            _KILLED_RUNS.append(run_id)
         raise
     client.set_terminated(run_id, status="FINISHED")
+
+
+# The MLflow runs this process closed KILLED: an interruption's one line mentions a run only if there is one
+# (sage.config.interrupted_state).
+_KILLED_RUNS: list[str] = []
+
+
+def killed_runs() -> list[str]:
+    return list(_KILLED_RUNS)
+
+
+def forget_killed_runs() -> None:
+    """A new command's body starts (sage.config.exit_on_config_error): no run of its own is killed yet."""
+    _KILLED_RUNS.clear()
 
 
 def step_callback(tracker: Tracker):

@@ -92,7 +92,7 @@ def train_run_tags(uri: str) -> list[dict[str, str]]:
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("sage")
-    return [r.data.tags for r in client.search_runs([exp.experiment_id])]
+    return [r.data.tags for r in client.search_runs([exp.experiment_id])] if exp else []
 
 
 @pytest.mark.slow
@@ -402,3 +402,53 @@ def test_sage_eval_of_final_is_not_left_without_its_files_by_an_extension(no_che
     assert evaluation.returncode == 0, err[-3000:]
     assert kept == run / "final-step-1"
     assert results["datasets"]["arith_heldout"]["n_problems"] == 4
+
+
+# ------------------------------------------------------------------ 9. signal messages name what exists
+def test_an_interruption_before_any_mlflow_run_names_no_run(capsys):
+    from sage.config import Terminated, exit_on_config_error
+
+    def building_the_base_model(cfg):
+        raise Terminated
+
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_error(building_the_base_model, OmegaConf.create({}))
+    assert e.value.code == 143
+    assert capsys.readouterr().err.strip() == (
+        "terminated (SIGTERM): no MLflow run had started and nothing was recorded; rerun the same command to "
+        "start"
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_base_model_build_names_no_run_and_no_resume(tmp_path):
+    """It said "the MLflow run is marked KILLED ... rerun with resume=true" with neither in existence."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cache = tmp_path / "cache"  # an empty cache: the testbed model is built first
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sage.train", *TINY, "trl.max_steps=1", f"output_dir={tmp_path / 'run'}"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "SAGE_CACHE_DIR": str(cache), **env_for(uri)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not list(cache.rglob(".tmp-*")):  # the base model's build has begun
+            assert proc.poll() is None and time.monotonic() < deadline, "the build did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "terminated (SIGTERM): no MLflow run had started and nothing was recorded; rerun the same command to "
+        "start"
+    )
+    assert "resume=true" not in err and "KILLED" not in err
+    assert not (tmp_path / "mlflow.db").exists() or not train_run_tags(uri)  # no run was made
