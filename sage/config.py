@@ -672,6 +672,9 @@ def exit_on_config_error(
     import sys
     import threading
 
+    from sage.hydra_errors import composed
+
+    composed()  # Hydra has composed the config: the run's own failures are reported Hydra's usual way
     # SIGTERM becomes a Ctrl-C only where it still kills outright: under submitit the handler is submitit's,
     # which lets a preempted job live on to its requeue signal.
     ours = threading.current_thread() is threading.main_thread() and (

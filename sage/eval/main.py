@@ -192,7 +192,9 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     reap_on_exit()  # a killed run's vLLM engine processes die with it
     register_evaluate_configs()
-    _hydra_main()
+    from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
+
+    run_app(_hydra_main)
 
 
 if __name__ == "__main__":

@@ -475,7 +475,9 @@ def main() -> None:
     # torch and transformers, and every process that multiprocessing spawns (the grading workers) imports
     # this module again as its __main__.
     register_configs()
-    _hydra_main()
+    from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
+
+    run_app(_hydra_main)
 
 
 if __name__ == "__main__":
