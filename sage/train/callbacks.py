@@ -29,11 +29,25 @@ class PeriodicEval(TrainerCallback):
     It samples as the end-of-run evaluation's HF backend does (``sage.eval.evaluate.sample_cell``: the same
     sampler, blocks and block seeds), on the current weights: the same weights give the same correctness
     matrix here as in ``sage-eval``. In a multi-process run every process samples and grades its share of
-    the blocks on its own replica of the model, and the main process alone merges, logs and writes."""
+    the blocks on its own replica of the model, and the main process alone merges, logs and writes.
+
+    ``engine``: the training rollouts' engine (``rollout=vllm``), whose ``sampler()`` serves the current
+    policy; the evaluation then samples through it, as the end-of-run evaluation's vLLM backend does, and
+    no second model or KV cache is allocated beside it. None: the HF backend on the model being trained."""
 
     def __init__(
-        self, rows_by_dataset, settings, every: int, batch_size: int, tracker, out: Path, pool, callbacks=()
+        self,
+        rows_by_dataset,
+        settings,
+        every: int,
+        batch_size: int,
+        tracker,
+        out: Path,
+        pool,
+        callbacks=(),
+        engine=None,
     ):
+        self.engine = engine
         self.rows_by_dataset = rows_by_dataset
         self.pool = pool
         self.callbacks = list(callbacks)
@@ -60,7 +74,10 @@ class PeriodicEval(TrainerCallback):
         was_training = model.training
         model.eval()
         # ``model`` is the Trainer's own module, not its DDP wrapper: sampling runs no collective
-        sampler = HFSampler(model, processing_class, self.batch_size)
+        if self.engine is not None:
+            sampler = self.engine.sampler()
+        else:
+            sampler = HFSampler(model, processing_class, self.batch_size)
         matrices = {}
         try:
             for name, rows in self.rows_by_dataset.items():

@@ -100,7 +100,7 @@ def rollout_function(cfg: DictConfig, args):
     Settings it cannot honour fail here, in one line, before any model is built."""
     if cfg.rollout_func is None:
         return None
-    return instantiate_node(cfg.rollout_func)(args=args, lora=cfg.model.lora is not None)
+    return instantiate_node(cfg.rollout_func)(args=args, lora=lora_config(cfg))
 
 
 def longest_prompt(trainer, dataset) -> int:
@@ -150,6 +150,8 @@ def rl(
     import_grpo_trainer(use_vllm=args.use_vllm)  # before sage.train.trainer: vLLM's import only if used
     from sage.train.trainer import SageGRPOTrainer, describe_batch
 
+    # what an in-process vLLM engine (TRL's colocated one) changes for the whole process, to restore after it
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
     trainer = SageGRPOTrainer(
         model=start_path,
         reward_funcs=[PoolReward(pool)],
@@ -162,47 +164,55 @@ def rl(
         callbacks=callbacks,
         rollout_func=rollout_func,
     )
-    if rollout_func is not None:  # the built policy (SFT-merged, dtype) is known only now
-        rollout_func.check(trainer.model)
     short_step_lines(trainer)  # a short console line per step; every metric still goes to MLflow
     if distributed.is_main():
         longest = longest_prompt(trainer, dataset)
         print(describe_batch(trainer.args, trainer.accelerator.num_processes, longest))
-    trainer.train(resume_from_checkpoint=last)
-    saving = out / "final.partial"
-    if distributed.is_main():
-        shutil.rmtree(saving, ignore_errors=True)  # what a job killed while saving left behind
-    distributed.barrier()
-    trainer.save_model(str(saving))  # on every process (sharded weights are gathered); the main one writes
-    if distributed.is_main():
-        trainer.processing_class.save_pretrained(str(saving))
-        (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
-        # An earlier, shorter run's model is replaced by this one: it moves, with the sage-eval results
-        # inside it, to final-step-N/, and those evaluation runs' checkpoint tags follow it there.
-        retag = functools.partial(point_eval_run_at, cfg)
-        keep_earlier_final(final, final_step(final), retag=retag)
-        (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
-        publish(saving, final)
-    distributed.barrier()
-    release_training_engine(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=last)
+        saving = out / "final.partial"
+        if distributed.is_main():
+            shutil.rmtree(saving, ignore_errors=True)  # what a job killed while saving left behind
+        distributed.barrier()
+        # on every process (sharded weights are gathered); the main one writes
+        trainer.save_model(str(saving))
+        if distributed.is_main():
+            trainer.processing_class.save_pretrained(str(saving))
+            (saving / FINAL_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
+            # An earlier, shorter run's model is replaced by this one: it moves, with the sage-eval results
+            # inside it, to final-step-N/, and those evaluation runs' checkpoint tags follow it there.
+            retag = functools.partial(point_eval_run_at, cfg)
+            keep_earlier_final(final, final_step(final), retag=retag)
+            (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
+            publish(saving, final)
+        distributed.barrier()
+    finally:  # an engine (its processes, its memory share) goes with the stage that uses it
+        release_training_engine(trainer, environment)
     return final
 
 
-def release_training_engine(trainer) -> None:
-    """TRL's colocated vLLM engine (``rollout=vllm``) is shut down once RL is done: the end-of-run
-    evaluation starts an engine of its own, which must never run beside a live one on the same GPU."""
-    from sage.eval.sampling import shutdown_engine
+def release_training_engine(trainer, environment_before: dict[str, str | None]) -> None:
+    """The training rollouts' vLLM engine is shut down once RL is done: the end-of-run evaluation starts an
+    engine of its own, which must never run beside a live one on the same device. ``rollout=vllm``'s engine
+    closes itself; TRL's colocated engine (``rollout=vllm_merged``) runs in this process and is stopped
+    without the process group it shares with the other processes (``sage.vllm_engine.shutdown_engine``), and
+    with ``environment_before``, the environment as it was before TRL built it."""
+    from sage.vllm_engine import shutdown_engine
 
+    close = getattr(trainer.rollout_func, "close", None)
+    if close is not None:
+        close()
+        return
     generation = getattr(trainer, "vllm_generation", None)
     llm = getattr(generation, "llm", None)
     if llm is not None:
         del generation.llm
-        shutdown_engine(llm)
+        shutdown_engine(llm, environment_before)
 
 
-def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool) -> list:
+def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rollout_func) -> list:
     """MLflow logging of every step, the ``callbacks`` node's callbacks, and the periodic held-out evaluation
-    if asked for (it hands its metrics to those callbacks)."""
+    if asked for (it hands its metrics to those callbacks; through the rollouts' engine if it has one)."""
     from sage.eval.sampling import SamplingSettings
     from sage.tracking import step_callback
     from sage.train.callbacks import PeriodicEval
@@ -228,6 +238,7 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool) -> 
                 out,
                 pool,
                 callbacks=extra,
+                engine=rollout_func if hasattr(rollout_func, "sampler") else None,
             )
         )
     return cbs
@@ -387,7 +398,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
         to_evaluate = [("base", start_path, base_results_dir(start_path))]
         pruned_at = None
         if cfg.trl.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
-            callbacks = training_callbacks(cfg, tracker, eval_rows, out, pool)
+            callbacks = training_callbacks(cfg, tracker, eval_rows, out, pool, rollout_func)
             final = rl(
                 cfg,
                 callbacks,

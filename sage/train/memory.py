@@ -306,8 +306,16 @@ def batch_of(cfg, prompt_tokens: int, processes: int) -> Batch:
 
 
 def colocated_fraction(cfg) -> float:
+    """The share of each GPU a training-rollout engine beside the trainer takes: TRL's colocated engine
+    (``rollout=vllm_merged``) or sage's adapter-serving one (``rollout=vllm``), both sized by
+    ``trl.vllm_gpu_memory_utilization``; 0 with no engine on the training GPU (or TRL's server mode)."""
     t = cfg.trl
-    return float(t.vllm_gpu_memory_utilization) if t.use_vllm and t.vllm_mode == "colocate" else 0.0
+    colocated = t.use_vllm and t.vllm_mode == "colocate"
+    from omegaconf import OmegaConf
+
+    target = OmegaConf.select(cfg, "rollout_func._target_")
+    adapter_engine = target == "sage.train.vllm_rollout.VllmRollout"
+    return float(t.vllm_gpu_memory_utilization) if colocated or adapter_engine else 0.0
 
 
 def plan(cfg, gpu_gib: float, prompt_tokens: int, processes: int = 1) -> tuple[Batch, dict[str, float], str]:

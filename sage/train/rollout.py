@@ -68,20 +68,41 @@ def refused_settings(args, lora: bool) -> list[str]:
     return refused
 
 
-class CompactRollout:
-    """TRL's ``rollout_func`` for ``rollout=fast``; see the module docstring. Built from GRPOConfig ``args``
-    (its seed and generation batch size) and whether the policy is LoRA-wrapped; the sampling knobs are read
-    from the trainer at every call, where TRL's own generation reads them."""
+class RolloutCalls:
+    """Names each call of a rollout function by (optimiser step, process, call at that step), from which its
+    generator seed is drawn (:func:`rollout_seed`)."""
 
-    def __init__(self, args, lora: bool) -> None:
-        refused = refused_settings(args, lora)
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._last_call = (-1, True, -1)  # (step, training, index) of the latest call
+
+    def call_id(self, trainer) -> tuple[int, int, int]:
+        """(step, rank, call) of this call: ``call`` counts calls at the same optimiser step, from 0 in
+        training and from -1 down in evaluation, so two generation batches of one step never share a seed."""
+        step, training = trainer.state.global_step, trainer.model.training
+        last_step, last_training, last_index = self._last_call
+        index = last_index + 1 if (last_step, last_training) == (step, training) else 0
+        self._last_call = (step, training, index)
+        return step, trainer.accelerator.process_index, index if training else -1 - index
+
+
+class CompactRollout(RolloutCalls):
+    """TRL's ``rollout_func`` for ``rollout=fast``; see the module docstring. Built from GRPOConfig ``args``
+    (its seed and generation batch size) and peft's LoraConfig ``lora`` (None: full fine-tuning); the
+    sampling knobs are read from the trainer at every call, where TRL's own generation reads them."""
+
+    def __init__(self, args, lora) -> None:
+        refused = refused_settings(args, lora is not None)
         if refused:
             raise ConfigError(f"rollout=fast cannot sample with {'; '.join(refused)}: use rollout=hf")
-        self.seed = args.seed
+        super().__init__(args.seed)
         # the largest batch a process generates at once; the whole of it is decoded together
         self.batch_size = args.generation_batch_size
         self._sampler: HFSampler | None = None
-        self._last_call = (-1, True, -1)  # (step, training, index) of the latest call
+
+    def attach(self, trainer) -> None:
+        """Refuse, before the first step, a built policy the compact decoder does not compute exactly."""
+        self.check(trainer.model)
 
     @staticmethod
     def check(model) -> None:
@@ -114,7 +135,7 @@ class CompactRollout:
             temperature=trainer.temperature,
             top_p=trainer.top_p,
             min_p=trainer.min_p or 0.0,
-            seed=rollout_seed(self.seed, *self._call_id(trainer)),
+            seed=rollout_seed(self.seed, *self.call_id(trainer)),
         ):
             for j, completion in zip(owners, ids, strict=True):
                 completions[j].append(completion)
@@ -124,12 +145,3 @@ class CompactRollout:
             "completion_ids": [c for per_prompt in completions for c in per_prompt],
             "logprobs": None,
         }
-
-    def _call_id(self, trainer) -> tuple[int, int, int]:
-        """(step, rank, call) of this call: ``call`` counts calls at the same optimiser step, from 0 in
-        training and from -1 down in evaluation, so two generation batches of one step never share a seed."""
-        step, training = trainer.state.global_step, trainer.model.training
-        last_step, last_training, last_index = self._last_call
-        index = last_index + 1 if (last_step, last_training) == (step, training) else 0
-        self._last_call = (step, training, index)
-        return step, trainer.accelerator.process_index, index if training else -1 - index

@@ -29,11 +29,15 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   at the checkpoint's step, which is the same value when ``max_steps`` is unchanged.
 - ``_save_checkpoint`` (with ``_get_output_dir``): the same files, written into a temporary folder and
   renamed to ``checkpoint-N/`` once flushed to the disk, so a checkpoint is whole or absent.
-- ``VLLMGeneration._iter_named_params`` (``rollout=vllm``, on the engine TRL builds): a LoRA policy's weights
-  are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by TRL's
-  in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it the
+- ``__init__`` (``rollout=vllm``): the rollout function's engine (``sage.train.vllm_rollout``) becomes TRL's
+  ``vllm_generation`` and ``use_vllm`` is turned on after TRL's own setup (so TRL builds no engine): TRL
+  then calls its ``sync_weights`` (the adapter hand-over) before each step's first rollout, and applies its
+  importance-sampling correction to the engine's log-probs, as for an engine of its own.
+- ``VLLMGeneration._iter_named_params`` (``rollout=vllm_merged``, on the engine TRL builds): a LoRA policy's
+  weights are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by
+  TRL's in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it the
   reference, on every sync (TRL issue #6688). Same names and order as TRL; each weight is rounded once.
-Generation (through TRL's ``rollout_func`` hook under ``rollout=fast``: ``sage.train.rollout``), rewards,
+Generation (through TRL's ``rollout_func`` hook under ``rollout=fast`` and ``rollout=vllm``), rewards,
 advantages, the reference model and what a checkpoint holds are TRL's.
 
 Logged per step on top of TRL's metrics: ``kl`` (k3 to the UNSHAPED pi_ref: comparable across GRPO and
@@ -110,6 +114,14 @@ class SageGRPOTrainer(GRPOTrainer):
             )
         if self.use_vllm:  # TRL's sync merges LoRA into the frozen base in place: see weight_sync
             sync_out_of_place(self.vllm_generation)
+        attach = getattr(self.rollout_func, "attach", None)
+        engine = attach(self) if attach is not None else None
+        if engine is not None:
+            # rollout=vllm: sage's engine serves the adapter (sage.train.vllm_rollout). TRL syncs it before a
+            # step's first rollout and corrects for its sampling log-probs as it does for its own engine.
+            self.vllm_generation = engine
+            self._last_loaded_step = self.state.global_step  # attach served the current adapter
+            self.use_vllm = True
 
     def _calculate_rewards(self, *args, **kwargs):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
