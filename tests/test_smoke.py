@@ -81,9 +81,13 @@ def test_train_checkpoint_resume(tmp_path):
         0.0 <= metrics["pass_at_1/trained/arith_heldout"] <= metrics["pass_at_4/trained/arith_heldout"] <= 1.0
     )
 
-    # a second run into the same folder without resume=true refuses to overwrite what is recorded
-    r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", check=False)
+    # a second run of the same config into the folder without resume=true refuses to overwrite what is
+    # recorded; another config is refused whatever resume says (tests/test_result_identity.py)
+    same = (f"output_dir={out}", "guide=branch", "guide.threshold=0.5", *linear)
+    r = sage_train(tmp_path, "trl.max_steps=4", *same, check=False)
     assert r.returncode == 2 and "pass resume=true" in r.stderr
+    r = sage_train(tmp_path, "trl.max_steps=4", f"output_dir={out}", check=False)
+    assert r.returncode == 2 and "holds a run of another config" in r.stderr
 
     # resume=true continues from checkpoint-2 up to step 4
     r = sage_train(
