@@ -119,24 +119,28 @@ class _SageSubmitit:
     def _start(self, job_overrides, initial_job_idx: int) -> tuple[Any, list[tuple]]:
         """Make the sweep dir and the grid's MLflow parent run (``sage.grid``; not when a sweeper that
         owns one, Optuna's, launches); submitit's executor and each job's call arguments."""
-        from sage.grid import grid_key, open_parent, sets
+        from sage.grid import compared, grid_key, open_parent, sets
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.sweep_dir = sweep_dir
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")  # type: ignore[attr-defined]
         self.parent_id = None
         tracking = self.config.get("tracking")  # type: ignore[attr-defined]
         if tracking is not None and not any(sets(o, "tracking.parent_run_id") for o in job_overrides):
-            self.parent_id = open_parent(tracking, grid_key(sweep_dir), name=f"grid-{sweep_dir.name}")
+            # named by what the grid compares, so the MLflow UI lists grids by content, not by time
+            name = compared(job_overrides) or f"grid-{sweep_dir.name}"
+            self.parent_id = open_parent(tracking, grid_key(sweep_dir), name=name)
         return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
 
     def _finish(self, results: list[JobReturn]) -> list[JobReturn]:
-        """The grid's parent run gets sage-report's output over its runs, and ends."""
+        """The grid's parent run gets sage-report's output over its runs (also in the sweep dir's report/),
+        the grid prints its differences and where the report is, and the parent ends."""
         from sage.grid import close_parent
 
         if self.parent_id is not None:
             ok = all(r.status == JobStatus.COMPLETED for r in results)
-            close_parent(self.config.tracking, self.parent_id, ok)  # type: ignore[attr-defined]
+            close_parent(self.config.tracking, self.parent_id, ok, self.sweep_dir)  # type: ignore[attr-defined]
         return results
 
     @staticmethod

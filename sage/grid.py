@@ -7,8 +7,11 @@
   (``mlflow.parentRunId``). A grid's parent is found by its sweep dir (tag ``sage.sweep_dir``), a study's
   by its name and storage (tag ``sage.optuna_study``: a study resumed into another sweep dir is the same
   study): rerunning the same grid or study reuses its parent and never makes a second one.
-- ``close_parent``: when the grid ends, ``sage-report`` over the parent's children is logged into it as
-  artifacts (``report/report.md``, ``report/figures/*.png``, ``report/tables/*.csv``).
+- ``close_parent``: when the grid ends, ``sage-report`` over the parent's children is written into the
+  sweep dir's ``report/`` and logged into the parent as artifacts (``report/report.md``,
+  ``report/figures/*.png``, ``report/tables/*.csv``), and the grid prints its answer: the differences
+  against the reference row with their intervals, the report's folder and the parent run's MLflow URL.
+- ``compared``: the parent run's name, what the grid compared (``experiment=grpo,grpo_branch x seed=1,2``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from sage.parent_runs import PARENT_KIND, PARENT_NOTE, log_report_files
+from sage.parent_runs import PARENT_KIND, PARENT_NOTE, STUDY_TAG, SWEEP_TAG, log_report_files
 from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
 log = logging.getLogger(__name__)
 
-SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid: the sweep dir it was launched into
-STUDY_TAG = "sage.optuna_study"  # the parent of an Optuna study: study_key's value
 # Overrides that never tell two jobs' results apart (where a job writes, logs, resumes): not in run names.
 UNNAMED = ("hydra", "tracking", "callbacks", "resume", "output_dir")
 
@@ -47,6 +48,25 @@ def name_keys(job_overrides: Sequence[Sequence[str]]) -> list[str]:
     return [
         k for k, v in values.items() if k.split(".", 1)[0] not in UNNAMED and (len(set(v)) > 1 or len(v) < n)
     ]
+
+
+def compared(job_overrides: Sequence[Sequence[str]], limit: int = 200) -> str | None:
+    """What a grid compares, as its parent run's name: each name key with its values in the order given,
+    ``experiment=grpo,grpo_branch x seed=1,2``; None when the jobs do not differ (one job)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = name_keys(job_overrides)
+    if not keys:
+        return None
+    parser = OverridesParser.create()
+    values: dict[str, list[str]] = {k: [] for k in keys}
+    for overrides in job_overrides:
+        for o in parser.parse_overrides(list(overrides)):
+            value = o.get_value_element_as_str()
+            if o.key_or_group in values and value not in values[o.key_or_group]:
+                values[o.key_or_group].append(value)
+    name = " x ".join(f"{k}={','.join(v)}" for k, v in values.items())
+    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def sets(overrides: Sequence[str], key: str) -> bool:
@@ -96,34 +116,105 @@ def open_parent(tracking: DictConfig, key: tuple[str, str], name: str) -> str | 
     return run_id
 
 
-def close_parent(tracking: DictConfig, run_id: str | None, ok: bool) -> None:
-    """Log sage-report's output over the parent's children into it, and end it: FINISHED if every job
-    succeeded, else FAILED. A report that cannot be made (no finished run yet) is said in a logged line
-    and in the tag ``sage.report``; the grid's own result does not depend on it."""
+def close_parent(tracking: DictConfig, run_id: str | None, ok: bool, folder: Path | None = None) -> None:
+    """Write sage-report's output over the parent's children into ``folder``/report (a temporary folder
+    when None: an Optuna study has no one sweep dir), log it into the parent, print the grid's answer
+    (:func:`answer`), and end the parent: FINISHED if every job succeeded, else FAILED. A report that
+    cannot be made (no finished run yet) is said in the printed answer and in the tag ``sage.report``; the
+    grid's own result does not depend on it."""
     if run_id is None:
         return
     uri = resolve_uri(tracking.uri)
-    client, _ = open_store(uri, tracking.experiment)
+    client, exp_id = open_store(uri, tracking.experiment)
     children = f"tags.`{PARENT_TAG}` = '{run_id}'"
-    problem = log_report(client, run_id, uri, tracking.experiment, children)
-    client.set_tag(run_id, "sage.report", problem or "report/report.md")
-    if problem:
-        log.warning("sage-report over the grid's runs (parent run %s) failed: %s", run_id, problem)
+    with contextlib.ExitStack() as stack:
+        root = (
+            Path(folder) if folder is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        )
+        out = root / "report" / "report.md"
+        problem, notes = log_report(client, run_id, uri, tracking.experiment, children, out)
+        client.set_tag(run_id, "sage.report", problem or "report/report.md")
+        if problem:
+            log.warning("sage-report over the grid's runs (parent run %s) failed: %s", run_id, problem)
+        name = client.get_run(run_id).info.run_name
+        where = out if folder is not None and not problem else None
+        print(
+            answer(
+                out.read_text() if not problem else "",
+                notes,
+                problem,
+                where,
+                run_url(uri, exp_id, run_id),
+                name,
+            )
+        )
     client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
 
 
-def log_report(client, run_id: str, uri: str, experiment: str, filter_string: str) -> str | None:
-    """Run sage-report on ``experiment`` and ``filter_string`` into a temporary folder and log it into run
-    ``run_id`` under ``report/``; the reason it failed, else None."""
+def log_report(
+    client, run_id: str, uri: str, experiment: str, filter_string: str, out: Path
+) -> tuple[str | None, list[str]]:
+    """Run sage-report on ``experiment`` and ``filter_string`` into ``out`` (its figures and tables beside
+    it) and log it into run ``run_id`` under ``report/``: (the reason it failed or None, its notes)."""
     from analysis import report
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "report" / "report.md"
-        args = ["--tracking-uri", uri, "--experiment", experiment, "--filter", filter_string]
-        errors = io.StringIO()
-        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
-            code = report.main([*args, "--out", str(out)])
-        if code != 0:
-            return errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else f"exit {code}"
-        log_report_files(client, run_id, out, out.parent / "figures", out.parent / "tables")
-    return None
+    args = ["--tracking-uri", uri, "--experiment", experiment, "--filter", filter_string]
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+        code = report.main([*args, "--out", str(out)])
+    said = errors.getvalue().strip().splitlines()
+    notes = [line.removeprefix("note: ") for line in said if line.startswith("note: ")]
+    if code != 0:
+        return (said[-1] if said else f"exit {code}"), notes
+    log_report_files(client, run_id, out, out.parent / "figures", out.parent / "tables")
+    return None, notes
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI: on the tracking server itself, or, for a local store, on the UI that
+    ``mlflow ui --backend-store-uri <uri>`` serves at its default address."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{redact(uri).rstrip('/')}/{page}"
+    return f"http://127.0.0.1:5000/{page} (mlflow ui --backend-store-uri {redact(uri)})"
+
+
+def answer(
+    markdown: str, notes: Sequence[str], problem: str | None, report: Path | None, url: str, name: str
+) -> str:
+    """What a grid prints when it ends: the report's differences against the reference row (its table,
+    with intervals), or the line that says why there are none; where the full report is."""
+    lines = [f"grid {name!r} finished"]
+    if problem:
+        lines.append(f"no report: {problem}")
+    else:
+        table = section(markdown, "## Differences against ", exclude="## Differences against the start model")
+        if table:
+            lines += [
+                table[0].removeprefix("## ") + " (95% t intervals; * the interval excludes 0)",
+                *table[1:],
+            ]
+        else:
+            why = [n for n in notes if n.startswith("no differences")] or [
+                "the report has no differences table"
+            ]
+            lines += [f"no differences table: {w}" for w in why]
+    if report is not None:
+        lines.append(f"full report: {report} (figures/ and tables/ beside it)")
+    lines.append(f"MLflow parent run: {url}; its artifacts under report/ hold the same report")
+    return "\n".join(lines)
+
+
+def section(markdown: str, heading: str, exclude: str) -> list[str]:
+    """The heading line of the first section starting with ``heading`` (not ``exclude``) and its table."""
+    lines = markdown.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(heading) and not line.startswith(exclude):
+            table: list[str] = []
+            for ln in lines[i + 1 :]:
+                if ln.startswith("## "):
+                    break
+                if ln.startswith("|"):
+                    table.append(ln)
+            return [line, *table] if table else []
+    return []

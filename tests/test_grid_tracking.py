@@ -265,3 +265,18 @@ def test_an_optuna_trial_is_named_by_its_values_and_nested_under_the_study():
     assert with_grid(overrides, ["experiment"], "grid-parent") == overrides
     kept = [o for o in overrides if not o.startswith("hydra.")]  # hydra.sweep.subdir: not a job config key
     assert run_name(cfg_for(*kept)) == "grpo_branch-ratio0.3-t1-s0"
+
+
+def test_a_grids_parent_is_named_by_what_it_compares_and_its_answer_names_a_missing_table():
+    from sage.grid import answer, compared
+
+    jobs = [[f"experiment={m}", f"seed={s}", "rollout=fast"] for m in ("grpo", "grpo_branch") for s in (1, 2)]
+    assert compared(jobs) == "experiment=grpo,grpo_branch x seed=1,2"
+    assert compared([["seed=1", "rollout=fast"]]) is None  # one job compares nothing: the launcher's fallback
+    assert len(compared([[f"guide.ratio={i / 1000:.3f}"] for i in range(500)])) == 200
+    # a report without the differences table says why, in the grid's last lines
+    note = "no differences against 'GRPO': no trained row of that name (--reference)"
+    text = answer("# Results\n", [note], None, None, "http://h/#/experiments/1/runs/r", "g")
+    assert f"no differences table: {note}" in text.splitlines()
+    assert answer("", [], "no finished run", None, "u", "g").splitlines()[1] == "no report: no finished run"
+

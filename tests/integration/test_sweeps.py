@@ -429,3 +429,38 @@ def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server,
     assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 2
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["pass_at_1/trained/arith_heldout"] <= 1
+
+
+def test_a_grid_ends_with_its_differences_and_where_its_report_is(tmp_path):
+    """A 2-method x 2-seed grid on the local launcher prints, when it ends, the differences against the
+    reference row with their intervals, the report's folder and the parent run's MLflow URL; the parent
+    run is named by what the grid compared (it was `grid-<time>`)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep_dir = tmp_path / "sweep"
+    code, out = sweep(
+        dict(os.environ),
+        "experiment=grpo,grpo_branch",
+        "seed=0,1",
+        "hydra/launcher=local",
+        *SHRINK,
+        "trl.max_steps=1",
+        f"tracking.uri={uri}",
+        "tracking.experiment=answer",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=1800,
+    )
+    assert code == 0, out[-3000:]
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("answer").experiment_id
+    (parent,) = client.search_runs([exp], "tags.`sage.kind` = 'grid'")
+    assert parent.info.run_name == "experiment=grpo,grpo_branch x seed=0,1"
+    tail = out[out.index("grid 'experiment=grpo,grpo_branch x seed=0,1' finished") :].splitlines()
+    assert tail[1].startswith("Differences against GRPO (95% t intervals")
+    assert tail[2].startswith("| method | arith_heldout pass@1 | arith_heldout pass@4 |")
+    assert tail[4].startswith("| GRPO + Branch | ") and tail[4].count("[") == 2
+    assert f"full report: {sweep_dir / 'report' / 'report.md'}" in tail[5]
+    assert (sweep_dir / "report" / "report.md").is_file() and any((sweep_dir / "report" / "tables").iterdir())
+    url = f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{parent.info.run_id}"
+    assert tail[6].startswith(f"MLflow parent run: {url}")
