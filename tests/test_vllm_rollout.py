@@ -198,7 +198,8 @@ def test_vllm_logprobs_are_the_policys_and_reach_trls_correction(trained):
     temperature, within LOGPROB_TOLERANCE; TRL computed its importance-sampling ratio from them."""
     trainer, rollout = trained
     assert max(c["logprob_diff"] for c in rollout.checks) < LOGPROB_TOLERANCE
-    ratios = trainer._metrics["train"]["sampling/importance_sampling_ratio/mean"]
+    key = "sampling/importance_sampling_ratio/mean"
+    ratios = [entry[key] for entry in trainer.state.log_history if key in entry]
     assert len(ratios) == 2 and all(abs(r - 1) < 0.01 for r in ratios), ratios
 
 
@@ -251,7 +252,7 @@ def test_two_hundred_adapter_swaps_keep_the_engines_memory_bounded(trained):
     growth = rss() - start
     adapter = statistics.median(sizes)
     assert growth < 0.25 * adapter * (SWAPS - 20), (growth, adapter)
-    assert rollout.llm.llm_engine.list_loras() == {rollout.request.lora_int_id}
+    assert set(rollout.llm.llm_engine.list_loras()) == {rollout.request.lora_int_id}
     served = Path(rollout.request.lora_path)
     assert [p.name for p in served.parent.iterdir()] == [served.name]
     handover = statistics.median(rollout.handover_seconds)

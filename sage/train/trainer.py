@@ -35,8 +35,8 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   importance-sampling correction to the engine's log-probs, as for an engine of its own.
 - ``VLLMGeneration._iter_named_params`` (``rollout=vllm_merged``, on the engine TRL builds): a LoRA policy's
   weights are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by
-  TRL's in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it the
-  reference, on every sync (TRL issue #6688). Same names and order as TRL; each weight is rounded once.
+  TRL's in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it
+  the reference, on every sync (TRL issue #6688). Same names and order as TRL; each weight is rounded once.
 Generation (through TRL's ``rollout_func`` hook under ``rollout=fast`` and ``rollout=vllm``), rewards,
 advantages, the reference model and what a checkpoint holds are TRL's.
 
@@ -120,7 +120,7 @@ class SageGRPOTrainer(GRPOTrainer):
             # rollout=vllm: sage's engine serves the adapter (sage.train.vllm_rollout). TRL syncs it before a
             # step's first rollout and corrects for its sampling log-probs as it does for its own engine.
             self.vllm_generation = engine
-            self._last_loaded_step = self.state.global_step  # attach served the current adapter
+            self._last_loaded_step = -1  # the first rollout hands over what the weights are by then
             self.use_vllm = True
 
     def _calculate_rewards(self, *args, **kwargs):
