@@ -3,6 +3,7 @@
     sage-report --experiment sage --out docs/results/testbed.md --figures-dir docs/results/figures
     sage-report --run-ids ID1,ID2 --seeds 1,2,3 --k 64 --out report.md
     sage-report --experiment sage --filter "tags.grid = '/path/of/the/sweep'" --out report.md
+    sage-report --experiment sage --grid latest --out report.md   # one grid's runs (or --grid <its name>)
 
 Writes the report, every table also as ``<tables-dir>/<name>.{md,tex,csv}``, and the figures as PNGs.
 Only finished ``sage-train`` runs count; a row is one method at one config (see ``analysis.load``), its
@@ -31,7 +32,8 @@ from analysis import bootstrap, figures, load, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
-from sage.tracking import probe_limits, redact, resolve_uri, store_failure
+from sage.parent_runs import PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
+from sage.tracking import PARENT_TAG, probe_limits, redact, resolve_uri, store_failure
 
 SOURCES = ["row", "seed", "run_id", "label"]
 NOISE_SENTENCE = (
@@ -107,6 +109,7 @@ def select(
         )
     runs["row"] = load.assign_rows(runs)
     runs, dup_notes = load.one_run_per_seed(runs)
+    dup_notes += joined_notes(client, runs) + split_notes(runs)
     present = sorted(int(s) for s in runs["seed"].unique())
     asked = sorted(seeds) if seeds else present
     if not set(asked) & set(present):  # a report of no run would be tables of dashes, not a result
@@ -115,6 +118,74 @@ def select(
             f"seeds (seeds present: {present})"
         )
     return Selection(runs.reset_index(drop=True), asked, notes + dup_notes, int((~keep).sum()))
+
+
+def joined_notes(client, runs: pd.DataFrame) -> list[str]:
+    """Which runs a report over several grids (or grids and single runs) joined: each grid's parent run
+    and how many of its runs are used. Nothing when they all come from one place."""
+    parents = runs["tags"].map(lambda t: t.get(PARENT_TAG))
+    if parents.nunique(dropna=False) < 2:
+        return []
+    parts = []
+    for parent, n in parents.value_counts(dropna=False, sort=False).items():
+        if not isinstance(parent, str):
+            parts.append(f"{n} outside any grid")
+            continue
+        try:
+            name = repr(client.get_run(parent).info.run_name)
+        except Exception:  # a deleted parent: its id still tells the runs apart
+            name = "(deleted)"
+        parts.append(f"{n} of grid {name} (parent run {parent})")
+    return [
+        f"joined {len(runs)} runs from {len(parts)} sources: {'; '.join(parts)}; --grid <name|latest> "
+        "reports one grid"
+    ]
+
+
+def split_notes(runs: pd.DataFrame) -> list[str]:
+    """Why a method has several rows: the keys in which its runs' configs differ, with each row."""
+    notes = []
+    for label, group in runs.groupby("method", sort=False):
+        rows = sorted(group["row"].unique())
+        if len(rows) > 1:
+            keys = load.varying_params(list(group["params"]))
+            notes.append(
+                f"{label} is split into {len(rows)} rows because its runs differ in {', '.join(keys)}: "
+                f"{'; '.join(rows)} (one grid: --grid; one setting: --filter)"
+            )
+    return notes
+
+
+def find_grid(client, experiment: str, grid: str):
+    """The parent run ``--grid`` names: ``latest`` (the grid or study started last), else the one whose run
+    name (what it compared), sweep dir (absolute, or its last folder), study or run id is ``grid``. A
+    ReportError listing the experiment's grids when none is."""
+    names = load.experiment_names(experiment)
+    ids = [e.experiment_id for e in map(client.get_experiment_by_name, names) if e is not None]
+    if not ids:
+        raise ReportError(f"--grid {grid}: no experiment {experiment!r} in the store")
+    found = client.search_runs(
+        ids, f"tags.`sage.kind` = '{PARENT_KIND}'", order_by=["attributes.start_time DESC"], max_results=5000
+    )
+    parents = [p for p in found if REPORT_TAG not in p.data.tags]  # not sage-report --log-to-mlflow's own
+    if not parents:
+        raise ReportError(f"--grid {grid}: experiment(s) {experiment!r} hold no grid (sage-train -m)")
+    if grid == "latest":
+        return parents[0]
+
+    def known_as(p) -> set[str]:
+        sweep = p.data.tags.get(SWEEP_TAG, "")
+        study = p.data.tags.get(STUDY_TAG, "")
+        return {p.info.run_id, p.info.run_name, sweep, Path(sweep).name, study} - {""}
+
+    match = [p for p in parents if known_as(p) & {grid, str(Path(grid).resolve())}]
+    if not match:
+        listed = ", ".join(repr(p.info.run_name) for p in parents[:8])
+        raise ReportError(
+            f"--grid {grid!r}: no grid of that name, sweep dir or run id in {experiment}; its grids, latest "
+            f"first: {listed}{' ...' if len(parents) > 8 else ''} (or --grid latest)"
+        )
+    return match[0]
 
 
 def sources(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
@@ -531,7 +602,14 @@ def make_report(
             )  # fmt: skip
             add(t, f"Differences against {ref_row}", how)
         else:
-            notes.append(f"no differences against {ref_row!r}: no trained row of that name (--reference)")
+            split = [r for r in trained_rows if r.startswith(f"{ref_row} [")]
+            why = (
+                f"its runs are split into rows {', '.join(split)} (see the note on the split): report one "
+                "grid with --grid, or one setting with --filter"
+                if split
+                else f"no trained row of that name (rows: {', '.join(trained_rows)}; --reference picks one)"
+            )
+            notes.append(f"no differences against {ref_row!r}: {why}")
         if primary is not None:
             sections.insert(0, primary_section(pv, primary, ref_row, trained_rows, asked))
         if len(base_rows) == 1:
@@ -679,6 +757,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-ids", default="", help="comma-separated run ids instead of a whole experiment")
     p.add_argument("--filter", default="", help="MLflow filter string, e.g. \"tags.grid = '/sweep/dir'\"")
     p.add_argument(
+        "--grid",
+        default=None,
+        help="only the runs of one grid (sage-train -m): latest, or its parent run's name (what it compared, "
+        "e.g. 'experiment=grpo,grpo_branch x seed=1,2'), its sweep dir or its run id",
+    )
+    p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else outputs/mlflow.db"
     )
     p.add_argument("--seeds", default="", help="training seeds asked, e.g. 1,2,3 (default: all present)")
@@ -768,12 +852,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             matching = f" matching {args.filter!r}" if args.filter else ""
             print(f"ok: {n} runs in {args.experiment}{matching}")
             return 0
+        filter_string = args.filter
+        if args.grid:
+            parent = find_grid(client, args.experiment, args.grid)
+            children = f"tags.`{PARENT_TAG}` = '{parent.info.run_id}'"
+            filter_string = f"{children} and {args.filter}" if args.filter else children
+            print(f"grid: {parent.info.run_name!r} (parent run {parent.info.run_id}): its runs only")
         rep = make_report(
             client,
             uri,
             experiment=args.experiment,
             run_ids=[r for r in args.run_ids.split(",") if r.strip()],
-            filter_string=args.filter,
+            filter_string=filter_string,
             seeds=seeds,
             k=args.k,
             out=args.out,

@@ -168,7 +168,7 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
     assert len(shown["data"]) == 2  # n_problems=1: the first problem's two samples
 
 
-def log_grid(uri: str, root: Path, experiment: str) -> str:
+def log_grid(uri: str, root: Path, experiment: str, extra: tuple[str, ...] = ()) -> str:
     """A grid as sage's launcher logs it, without the training: a parent run, then two methods x two seeds
     whose runs log base and trained evaluations (two evaluation seeds, 6 problems x 4 samples) through
     sage's own start_run and log_eval; the parent is closed with the grid's report. Returns its id."""
@@ -189,6 +189,7 @@ def log_grid(uri: str, root: Path, experiment: str) -> str:
                 f"tracking.parent_run_id={parent}",
                 "tracking.name_keys=[experiment,seed]",
                 "eval.ks=[1,4]",
+                *extra,
             )
             out = root / f"{method}-{seed}"
             out.mkdir(parents=True)
@@ -280,3 +281,44 @@ def test_a_grids_parent_is_named_by_what_it_compares_and_its_answer_names_a_miss
     assert f"no differences table: {note}" in text.splitlines()
     assert answer("", [], "no finished run", None, "u", "g").splitlines()[1] == "no report: no finished run"
 
+
+def test_sage_report_reports_one_grid_of_a_mixed_store_and_says_what_it_joined(tmp_path):
+    """Two grids in one experiment, the second at another learning rate. --grid latest (or a grid's sweep
+    dir) reports that grid's four runs alone; the whole experiment joins both, says so, says why each
+    method has two rows, and names why the differences against GRPO are missing instead of dropping them."""
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = log_grid(uri, tmp_path / "a", "mixed")
+    second = log_grid(uri, tmp_path / "b", "mixed", extra=("trl.learning_rate=2e-4",))
+    report = [
+        str(Path(sys.executable).parent / "sage-report"),
+        "--tracking-uri",
+        uri,
+        "--experiment",
+        "mixed",
+    ]
+
+    def run(*args: str, out: str):
+        done = prefork.run([*report, *args, "--out", str(tmp_path / out / "report.md")])
+        text = (tmp_path / out / "report.md").read_text() if done.returncode == 0 else ""
+        return done, text
+
+    for grid, parent, out in (("latest", second, "latest"), (str(tmp_path / "a" / "sweep"), first, "a")):
+        done, text = run("--grid", grid, out=out)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"(parent run {parent}): its runs only" in done.stdout
+        assert "4 finished sage-train runs used" in text and "## Differences against GRPO" in text
+        assert "joined" not in done.stderr and "split into" not in done.stderr
+    done, text = run(out="all")
+    assert done.returncode == 0, done.stderr[-2000:]
+    notes = [ln.removeprefix("note: ") for ln in done.stderr.splitlines() if ln.startswith("note: ")]
+    joined = [n for n in notes if n.startswith("joined 8 runs from 2 sources")]
+    assert len(joined) == 1 and first in joined[0] and second in joined[0]
+    split = [n for n in notes if n.startswith("GRPO is split into 2 rows because its runs differ in")]
+    assert len(split) == 1 and "trl.learning_rate" in split[0]
+    assert "## Differences against GRPO" not in text
+    assert any(n.startswith("no differences against 'GRPO': its runs are split into rows") for n in notes)
+    done, _ = run("--grid", "nope", out="nope")
+    assert done.returncode == 2 and "--grid 'nope': no grid of that name" in done.stderr
+    assert "'grid-sweep'" in done.stderr
