@@ -1,11 +1,13 @@
 """Figures as PNGs from tidy frames (matplotlib's Agg backend: no display needed).
 
 Lines are means over training seeds; bands span mean ± std over seeds (no band with one seed), except the
-pass@k curves, whose bands are bootstrap intervals over problems and seeds when the report has them.
+pass@k curves, whose bands are bootstrap intervals over problems and seeds when the report has them. The
+pass@k curves have one panel per row: stacked in one panel, their bands hid each other's lines.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from pathlib import Path
 
@@ -30,11 +32,18 @@ def _mean_band(frame: pd.DataFrame, x: str) -> pd.DataFrame:
 
 
 def _line(
-    ax, frame: pd.DataFrame, x: str, label: str, dashed: bool = False, band: pd.DataFrame | None = None
+    ax,
+    frame: pd.DataFrame,
+    x: str,
+    label: str,
+    dashed: bool = False,
+    band: pd.DataFrame | None = None,
+    color: str | None = None,
 ) -> None:
     """Mean over seeds; shaded: ``band`` (x, lo, hi) if given, else mean ± std over seeds."""
     s = _mean_band(frame, x).sort_values(x)
-    (line,) = ax.plot(s[x], s["mean"], "--" if dashed else "-", marker=".", markersize=3, label=label)
+    style = "--" if dashed else "-"
+    (line,) = ax.plot(s[x], s["mean"], style, marker=".", markersize=3, label=label, color=color, zorder=3)
     if band is not None and len(band):
         b = band.sort_values(x)
         ax.fill_between(b[x], b["lo"], b["hi"], color=line.get_color(), alpha=0.2, linewidth=0)
@@ -51,25 +60,48 @@ def _line(
         )
 
 
+OTHER_ROWS = "0.7"  # the grey of the other rows' lines in a row's pass@k panel
+
+
 def passk_curves(curves: pd.DataFrame, out_dir: Path, bands: pd.DataFrame | None = None) -> list[Path]:
-    """Figure 3: pass@k against k = 1..n (log scale) per dataset, one line per row (the mean of the
-    logged curves over seeds). ``curves``: row, seed, dataset, k, value. ``bands``: row, dataset, k, lo,
-    hi (the bootstrap band of ``report.curve_bands``); a row without one gets mean ± std over seeds."""
-    paths = []
-    for ds, sub in curves.groupby("dataset"):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for row in sorted(sub["row"].unique(), key=row_key):
-            band = None
-            if bands is not None:
-                band = bands[(bands["row"] == row) & (bands["dataset"] == ds)]
-            _line(ax, sub[sub["row"] == row], "k", row, band=band)
+    """Figure 3: pass@k against k = 1..n (log scale) per dataset (:func:`passk_panels`), one PNG each.
+    ``curves``: row, seed, dataset, k, value. ``bands``: row, dataset, k, lo, hi (the bootstrap band of
+    ``report.curve_bands``); a row without one gets mean ± std over seeds."""
+    return [
+        _save(passk_panels(sub, str(ds), bands), out_dir / f"passk_{_slug(str(ds))}.png")
+        for ds, sub in curves.groupby("dataset")
+    ]
+
+
+def passk_panels(sub: pd.DataFrame, ds: str, bands: pd.DataFrame | None = None):
+    """One dataset's pass@k figure: one panel per row, its mean over seeds in colour with its band, and
+    every other row's mean as a thin grey line to compare against, so no band hides a line."""
+    rows = sorted(sub["row"].unique(), key=row_key)
+    ncols = min(len(rows), 3)
+    nrows = math.ceil(len(rows) / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), sharex=True, sharey=True, squeeze=False
+    )
+    means = {row: _mean_band(sub[sub["row"] == row], "k").sort_values("k") for row in rows}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (ax, row) in enumerate(zip(axes.flat, rows, strict=False)):
+        for other in rows:
+            if other != row:
+                ax.plot(means[other]["k"], means[other]["mean"], color=OTHER_ROWS, linewidth=0.8, zorder=2)
+        band = None if bands is None else bands[(bands["row"] == row) & (bands["dataset"] == ds)]
+        _line(ax, sub[sub["row"] == row], "k", row, band=band, color=colors[i % len(colors)])
+        ax.set_title(row, fontsize=9)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, ... not 2^0
-        ax.set(xlabel="k (samples)", ylabel="pass@k", title=f"pass@k on {ds}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir / f"passk_{_slug(str(ds))}.png"))
-    return paths
+    for ax in axes.flat[len(rows) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("k (samples)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("pass@k")
+    fig.suptitle(f"pass@k on {ds} (grey: the other rows)", fontsize=10)
+    return fig
 
 
 def reward_vs_accuracy(
@@ -77,25 +109,15 @@ def reward_vs_accuracy(
 ) -> Path:
     """Figure 2: training reward (left) and held-out pass@1 during training (one panel per dataset) over
     optimiser steps; rows without a KL anchor are dashed. ``reward``: row, seed, step, value;
-    ``periodic``: row, seed, dataset, step, value (may be empty: the panel then says why)."""
-    datasets = sorted(periodic["dataset"].unique()) if len(periodic) else [None]
+    ``periodic``: row, seed, dataset, step, value (may be empty: the reward panel alone)."""
+    # no periodic evaluation: the reward panel alone (the report's notes say how to get the other)
+    datasets = sorted(periodic["dataset"].unique()) if len(periodic) else []
     fig, axes = plt.subplots(1, 1 + len(datasets), figsize=(5 * (1 + len(datasets)), 4), squeeze=False)
     rows = sorted(reward["row"].unique(), key=row_key)
     for row in rows:
         _line(axes[0, 0], reward[reward["row"] == row], "step", row, dashed=row in kl_free)
     axes[0, 0].set(xlabel="optimiser step", ylabel="mean reward", title="training reward")
     for ax, ds in zip(axes[0, 1:], datasets, strict=True):
-        if ds is None:
-            ax.text(
-                0.5,
-                0.5,
-                "no pass_at_1/periodic/<dataset> logged\n(train with eval.every_steps=N)",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
-            ax.set(title="held-out pass@1", xticks=[], yticks=[])
-            continue
         sub = periodic[periodic["dataset"] == ds]
         for row in rows:
             if (sub["row"] == row).any():

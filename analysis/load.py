@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from sage.run_folder import NO_RESULT_KEYS, matches
-from sage.tracking import GROUP_TAGS, eval_tag, redact, resolve_uri
+from sage.tracking import GROUP_TAGS, derived_method, eval_tag, redact, resolve_uri
 
 
 class ReportError(Exception):
@@ -129,7 +129,9 @@ def experiment_names(experiment: str) -> list[str]:
 def method_label(tags: dict[str, str], params: dict[str, str], run_id: str) -> str:
     """The row name of a run: its ``method`` preset's display name, else one derived from its group tags
     (grpo + reverse_kl + none -> GRPO, + none -> GRPO w/o KL, + branch -> GRPO + Branch)."""
-    if "method" in tags:
+    groups = [tags.get(g) for g in ("algorithm", "divergence", "guide")]
+    derived = None not in groups and tags.get("method") == derived_method(*groups)
+    if "method" in tags and not derived:  # a derived method keeps the label its groups give below
         return METHOD_NAMES.get(tags["method"], tags["method"])
     if params.get("trl.max_steps") == "0":
         return "base"

@@ -134,7 +134,7 @@ def run_name(cfg: DictConfig) -> str:
     if cfg.tracking.run_name:
         return str(cfg.tracking.run_name)
     choices, _ = hydra_context()
-    method = cfg.get("method") or choices.get("experiment") or choices.get("algorithm") or "run"
+    method = method_of(cfg, choices) or choices.get("experiment") or "run"
     parts = [str(method)]
     given = job_overrides()
     keys = [k for k in cfg.tracking.name_keys if k != "seed"]
@@ -150,6 +150,41 @@ def run_name(cfg: DictConfig) -> str:
     if cfg.get("seed") is not None:
         parts.append(f"s{cfg.seed}")
     return "-".join(parts)
+
+
+METHOD_GROUPS = ("algorithm", "divergence", "guide")  # what a method is: the groups a preset chooses
+
+
+def method_of(cfg: DictConfig, choices: dict[str, str]) -> str | None:
+    """The run's method: ``method`` (set by the experiment/ presets); else the preset that chooses exactly
+    these algorithm, divergence and guide and nothing else (``guide=branch`` alone is ``grpo_branch``);
+    else :func:`derived_method` of the choices; ``base`` for a run of no step. None outside a Hydra app
+    that chose them."""
+    if cfg.get("method"):
+        return str(cfg.method)
+    chosen = tuple(choices.get(g) for g in METHOD_GROUPS)
+    if None in chosen:
+        return None
+    if OmegaConf.select(cfg, "trl.max_steps") == 0:  # nothing trained: the start model (as sage-report says)
+        return "base"
+    from sage.paths import CONF_DIR
+
+    for path in sorted((Path(CONF_DIR) / "experiment").glob("*.yaml")):
+        preset = OmegaConf.load(path)
+        if set(preset) != {"defaults", "method"}:  # it sets more than the groups (a beta, a step count)
+            continue
+        groups = {}
+        for entry in preset.defaults:
+            for key, value in entry.items() if isinstance(entry, DictConfig) else ():
+                groups[str(key).removeprefix("override /")] = str(value)
+        if tuple(groups.get(g) for g in METHOD_GROUPS) == chosen:
+            return str(preset.method)
+    return derived_method(*chosen)
+
+
+def derived_method(algorithm: str, divergence: str, guide: str) -> str:
+    """A method no preset names, from its choices: ``dr_grpo+forward_kl+token`` (guide=none left out)."""
+    return "+".join([algorithm, divergence] + ([guide] if guide != "none" else []))
 
 
 def eval_tag(label: str, dataset: str) -> str:
@@ -310,27 +345,38 @@ def passk_table(curves: dict[str, list[dict[int, float]]]):
 
 
 def passk_figure(table, dataset: str, path: Path) -> Path:
-    """pass@k against k on a log axis, a line per label (base, trained) with the seeds' range as a band."""
+    """:func:`passk_plot` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = passk_plot(table, dataset)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def passk_plot(table, dataset: str):
+    """pass@k against k on a log axis, a line per label (base, trained) with the seeds' range as a band
+    (none with one evaluation seed); the title in two short lines, which fit the figure's width."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a job on a cluster node
     import matplotlib.pyplot as plt
 
+    seeds = int(table["seeds"].max())
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for label, part in table.groupby("label", sort=False):
         ax.plot(part["k"], part["mean"], marker=".", label=label)
-        ax.fill_between(part["k"], part["min"], part["max"], alpha=0.25)
+        if seeds > 1:
+            ax.fill_between(part["k"], part["min"], part["max"], alpha=0.25)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k (samples per problem)")
     ax.set_ylabel("pass@k")
-    seeds = int(table["seeds"].max())
-    ax.set_title(f"{dataset}: pass@k (band: range over {seeds} evaluation seed{'s' * (seeds > 1)})")
+    band = f"band: range over {seeds} evaluation seeds" if seeds > 1 else "one evaluation seed: no band"
+    ax.set_title(f"pass@k on {dataset}\n{band}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def completions_table(completions: list, correct, rows: list[dict] | None, n_problems: int | None):
@@ -608,8 +654,9 @@ def start_run(
             **sweep,
             **{k: str(v) for k, v in cfg.tracking.tags.items()},
         }
-        if cfg.get("method"):
-            tags["method"] = str(cfg.method)
+        method = method_of(cfg, choices)
+        if method:
+            tags["method"] = method
         if key is not None:
             tags["sage.settings_key"] = key
         tags = {k: redact(v) for k, v in tags.items()}

@@ -336,12 +336,15 @@ def evaluate_model(
     return results
 
 
-def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int]) -> str:
-    """Markdown table: one line per (model, dataset), pass@k (mean ± std over seeds)."""
+def format_table(rows: dict[str, dict[str, dict[str, float]]], ks: list[int], seeds: int) -> str:
+    """Markdown table: one line per (model, dataset), pass@k: mean ± std over the ``seeds`` evaluation
+    seeds, the mean alone with one seed (its std is not zero, it is unknown)."""
     head = "| model | dataset | " + " | ".join(f"pass@{k}" for k in ks) + " |"
     lines = [head, "|" + "---|" * (2 + len(ks))]
     for model_name, by_ds in rows.items():
         for ds, s in by_ds.items():
-            cells = [f"{s[f'pass@{k}']:.3f} ± {s[f'pass@{k}_std']:.3f}" for k in ks]
+            cells = [
+                f"{s[f'pass@{k}']:.3f}" + (f" ± {s[f'pass@{k}_std']:.3f}" if seeds > 1 else "") for k in ks
+            ]
             lines.append(f"| {model_name} | {ds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

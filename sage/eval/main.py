@@ -134,7 +134,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                     dtype=str(cfg.model.dtype.value),
                 )
     summaries = {ds: r["summary"] for ds, r in res.items()}
-    print("\n" + format_table({label: summaries}, list(cfg.eval.ks)))
+    print("\n" + format_table({label: summaries}, list(cfg.eval.ks), len(cfg.eval.seeds)))
     print(f"\nresults: {results_dir / 'results.json'}")
     if tracker is not None:
         print(f"MLflow run: {tracker.run_id}")

@@ -463,7 +463,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
                         cap=cfg.eval.perplexity_cap,
                         dtype=str(cfg.model.dtype),
                     )
-            print("\n" + format_table(table, list(cfg.eval.ks)))
+            print("\n" + format_table(table, list(cfg.eval.ks), len(cfg.eval.seeds)))
         print(f"\nrun outputs: {out}")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if tracker is not None:
