@@ -308,7 +308,12 @@ def _set_aside(folder: Path, aside: Path, why: str) -> None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     validate(cfg)
-    check_store(cfg)
+    # Only the main process records (start_run below), so only it opens the store: N processes probing one
+    # server (or one SQLite file) at once is load and lock contention for nothing. The launcher's rank
+    # (RANK) says which process is main before the process group exists; if the store cannot be opened,
+    # the main process exits and the launcher (torchrun, srun) stops the others.
+    if distributed.is_main():
+        check_store(cfg)
     divergence, guide = build_parts(cfg)
     distributed.init(timeout_s=cfg.trl.ddp_timeout)  # the Trainer's own timeout, for the group made here
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
