@@ -126,6 +126,47 @@ def test_torchrun_two_processes_record_once(tmp_path):
                 shutil.rmtree(info.parent, ignore_errors=True)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_torchrun_two_processes_with_vllm_rollouts_keep_their_group_and_shard_the_evaluation(tmp_path):
+    """The paper path (model=tiny_chat: LoRA SFT, LoRA RL, vLLM evaluation) with rollout=vllm under 2-process
+    torchrun: each process trains with its own engine serving its adapter, the periodic evaluation samples
+    through that engine, and after the engines the run's process group still holds both processes: each
+    evaluates only its own blocks of every cell (a broken group had every rank evaluate everything)."""
+    overrides = [
+        "model=tiny_chat",
+        "model.sft.data.n=32",
+        "model.sft.args.num_train_epochs=1",
+        "rollout=vllm",
+        "eval.vllm_cpu_memory_utilization=0.1",
+        "trl.max_steps=2",
+        "trl.per_device_train_batch_size=4",
+        "trl.num_generations=4",
+        "eval.every_steps=2",
+        # 33 problems x 32 samples: 2 blocks per cell (sage.eval.cells.BLOCK_SEQUENCES), one for each process
+        "eval.every_n_samples=32",
+        "eval.n_samples=32",
+        "eval.ks=[1,32]",
+        "eval.limit=33",
+        "eval.max_new_tokens=8",  # the shares are what is checked, not what the completions say
+        "eval.perplexity_cap=0",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    r = sage_train(tmp_path, *overrides, processes=2)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-5000:]
+    for rank in (0, 1):
+        # at start, before the rollouts of steps 0 and 1, and for the periodic evaluation at step 2
+        assert f"rollout=vllm, process {rank}: 4 adapter hand-overs" in log, log[-5000:]
+    # the periodic evaluation (through the engines) and the evaluations of base and trained model (after
+    # them): every cell sampled by both processes, one block each
+    shares = re.findall(r"process (\d) of (\d): (\d+) of (\d+) blocks", log)
+    assert sorted(set(shares)) == [("0", "2", "1", "2"), ("1", "2", "1", "2")], shares
+    # periodic and trained (and base, unless an earlier run of the suite left its cells in the cache)
+    assert len(shares) >= 2 * 2, shares
+    assert r.stdout.count("| trained | arith_heldout |") == 1
+
+
 # ------------------------------------------------------------------------------- sharded evaluation
 EVAL_SCRIPT = '''
 """evaluate_model on the testbed model, as every process of a run calls it; records what this process

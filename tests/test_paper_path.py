@@ -1,7 +1,8 @@
 """The paper's 7B path at 1M parameters (``model=tiny_chat``): a ChatML base that needs the SFT stage
-(LoRA, merged), LoRA RL from the merged model, and the evaluation of the merged start model and of the
-trained adapter through the real vLLM engine (its CPU build), through the real entry point, with the same
-groups and keys as ``model=qwen2.5-math-7b``."""
+(LoRA, merged), LoRA RL from the merged model with its training rollouts from the real vLLM engine (its CPU
+build) serving the adapter (``rollout=vllm``), and the evaluation of the merged start model and of the
+trained adapter through vLLM, through the real entry point, with the same groups and keys as
+``model=qwen2.5-math-7b``. The 2-process run of the same path is in tests/test_distributed.py."""
 
 import json
 import os
@@ -23,7 +24,8 @@ SHRINK = [
     "trl.num_generations=4",
     "eval.n_samples=4",
     "eval.limit=8",
-    "eval.backend=vllm",
+    "rollout=vllm",
+    "eval.vllm_cpu_memory_utilization=0.1",
 ]
 
 
@@ -57,3 +59,5 @@ def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
     assert "| trained | arith_heldout |" in r.stdout
     cells = json.loads((out / "eval" / "trained" / "results.json").read_text())["datasets"]
     assert cells["arith_heldout"]["settings"]["backend"] == "vllm"  # the adapter went through vLLM
+    # the training rollouts too: an adapter version handed over at start and before each step's rollouts
+    assert "rollout=vllm, process 0: 3 adapter hand-overs" in r.stderr + r.stdout

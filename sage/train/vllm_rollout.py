@@ -182,6 +182,17 @@ class VllmRollout(RolloutCalls):
         """Stop the engine and remove the adapter versions."""
         from sage.vllm_engine import shutdown_engine
 
+        if self.handover_seconds:
+            import statistics
+
+            from sage import distributed
+
+            log.info(
+                "rollout=vllm, process %d: %d adapter hand-overs, median %.0f ms",
+                distributed.rank(),
+                len(self.handover_seconds),
+                1000 * statistics.median(self.handover_seconds),
+            )
         llm, self.llm = self.llm, None
         if llm is not None:
             shutdown_engine(llm)
