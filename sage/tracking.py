@@ -182,6 +182,20 @@ def method_of(cfg: DictConfig, choices: dict[str, str]) -> str | None:
     return derived_method(*chosen)
 
 
+def what_trains(cfg: DictConfig) -> str:
+    """The line a run prints as it starts: its method, the choices that make it (experiment, algorithm,
+    divergence with its beta, guide), the model, the steps and the seed."""
+    choices, _ = hydra_context()
+    made = [f"{g}={choices[g]}" for g in ("experiment", *METHOD_GROUPS) if choices.get(g)]
+    beta = OmegaConf.select(cfg, "divergence.beta", default=None)
+    if beta is not None:
+        made.append(f"beta={beta}")
+    model = choices.get("model") or OmegaConf.select(cfg, "model.name", default="?")
+    method = method_of(cfg, choices) or "run"
+    steps = OmegaConf.select(cfg, "trl.max_steps", default="?")
+    return f"training {method} ({', '.join(made)}) on model={model}: {steps} steps, seed {cfg.get('seed')}"
+
+
 def derived_method(algorithm: str, divergence: str, guide: str) -> str:
     """A method no preset names, from its choices: ``dr_grpo+forward_kl+token`` (guide=none left out)."""
     return "+".join([algorithm, divergence] + ([guide] if guide != "none" else []))

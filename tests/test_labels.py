@@ -18,7 +18,7 @@ from omegaconf import open_dict
 from analysis import figures, load
 from sage.config import register_configs
 from sage.eval.evaluate import format_table
-from sage.tracking import passk_plot, passk_table, start_run
+from sage.tracking import passk_plot, passk_table, start_run, what_trains
 
 matplotlib.use("Agg")
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +53,23 @@ def test_a_single_run_is_named_and_tagged_by_its_method(tmp_path, overrides, met
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.run_name == name and run.data.tags["method"] == method
     assert load.method_label(run.data.tags, run.data.params, run_id) == label
+
+
+def test_a_run_says_what_it_trains():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            "train", overrides=["guide=branch", "seed=2", "trl.max_steps=7"], return_hydra_config=True
+        )
+    HydraConfig.instance().set_config(cfg)
+    try:
+        line = what_trains(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    beta = cfg.divergence.beta
+    assert line == (
+        "training grpo_branch (algorithm=grpo, divergence=reverse_kl, guide=branch, "
+        f"beta={beta}) on model=tiny: 7 steps, seed 2"
+    )
 
 
 def test_one_evaluation_seed_shows_the_mean_without_a_zero_std():

@@ -53,6 +53,11 @@ def test_train_checkpoint_resume(tmp_path):
     # a table of base vs trained model is printed, and where the outputs are
     assert "| base | arith_heldout |" in r.stdout and "| trained | arith_heldout |" in r.stdout
     assert f"run outputs: {out}" in r.stdout
+    # it said what it trains before anything else, and how far each evaluation got, with the time left
+    assert r.stdout.splitlines()[0].startswith(
+        "training grpo_branch (algorithm=grpo, divergence=reverse_kl, guide=branch, beta="
+    )
+    assert "eval arith_heldout: 24/24 completions, " in r.stdout and "±" not in r.stdout  # one eval seed
     assert (out / "rl" / "checkpoint-2").is_dir()
     log = json.loads((out / "train_log.json").read_text())
     steps = [e for e in log if "loss" in e]

@@ -57,6 +57,7 @@ from sage.eval.sampling import (
 from sage.grading import GradingPool
 from sage.metrics import pass_at_k_curve_over_seeds, pass_at_k_over_seeds
 from sage.paths import MainDecision, folder_lock
+from sage.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +286,20 @@ def evaluate_model(
             share = share_size(len(rows), eval_cfg.n_samples)
             per_seed = []
             # One bar per dataset, in this process's completions over all its seeds: a long cell shows its
-            # progress as it samples, a reused cell counts as done at once. The main process's bar alone.
+            # progress as it samples, a reused cell counts as done at once. The main process's bar alone,
+            # and its log lines with the time left (a grid job's log has no bar), each when a sampler's
+            # report (per block at least) comes 30 s or more after the last line.
             total = len(eval_cfg.seeds) * share
+            lines = Progress(f"eval {name}", total, log, "completions")
             with tqdm(
                 total=total, desc=f"eval {name}", unit="completion", dynamic_ncols=True, disable=not main
             ) as bar:
+
+                def progress(n: int, bar=bar, lines=lines) -> None:
+                    bar.update(n)
+                    if main:
+                        lines.update(n)
+
                 for seed in eval_cfg.seeds:
                     key = CellKey(SamplingSettings(seed=seed, **sampling), **identity, rows=digest)
                     cell = cell_dir(results_dir / name, key)
@@ -299,6 +309,7 @@ def evaluate_model(
                                 log.info("reusing finished evaluation cell %s", cell)
                                 per_seed.append(done)
                             bar.update(share)
+                            lines.total -= share  # the time left is the sampling's: a reused cell takes none
                             continue
                         # started only when a cell is missing and this process has blocks of it: a finished
                         # run loads nothing
@@ -309,7 +320,7 @@ def evaluate_model(
                             if pool is None:
                                 pool = stack.enter_context(GradingPool(workers=2))
                         merged = sample_cell(
-                            sampler if share else None, tokenizer, rows, key.settings, pool, bar.update
+                            sampler if share else None, tokenizer, rows, key.settings, pool, progress
                         )
                         if merged is not None:
                             correct, completions = merged

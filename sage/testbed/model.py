@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from sage import paths
 from sage.config import ConfigError
+from sage.progress import eta_line
 from sage.testbed.task import (
     DEFAULT_SLIP_RATE,
     DEFAULT_STRATEGY_PROBS,
@@ -121,6 +122,11 @@ def build_tiny_model(
     if (final / BUILD_INFO_FILE).exists():
         log.info("testbed model cached at %s", final)
         return str(final)
+    log.info(
+        "building the testbed base model into %s, once per machine (the cache is $SAGE_CACHE_DIR, else "
+        "~/.cache/sage); every later run reuses it",
+        final,
+    )
     # transformers writes a model's weights from rank 0 of a process group only: a build by another rank
     # would leave a folder without them. In a multi-process run the main process builds (or waits for
     # another job's build) while the others wait for it on the file system.
@@ -239,6 +245,7 @@ def _train(config: dict) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, flo
     size = config["batch_size"]
     loss_value = float("nan")
     model.train()
+    start = time.monotonic()
     with _torch_threads(os.cpu_count() or 1):
         for step in range(config["train_steps"]):
             input_ids, attention, labels = _collate(
@@ -252,12 +259,9 @@ def _train(config: dict) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, flo
             optimizer.zero_grad(set_to_none=True)
             loss_value = loss.item()
             if step % 50 == 0 or step == config["train_steps"] - 1:
-                log.info(
-                    "step %d/%d loss %.4f lr %.2e",
-                    step,
-                    config["train_steps"],
-                    loss_value,
-                    schedule.get_last_lr()[0],
+                done = eta_line(
+                    "testbed model build", step + 1, config["train_steps"], time.monotonic() - start
                 )
+                log.info("%s (loss %.4f, lr %.2e)", done, loss_value, schedule.get_last_lr()[0])
     model.eval()
     return model, tokenizer, loss_value
