@@ -1,6 +1,7 @@
 """A paper model evaluates the paper's benchmarks by default (issue 20, item 6): each paper model option
 chooses ``eval=math_suite`` through Hydra's defaults-list ``override``, for sage-train and sage-eval alike;
-the testbed models keep ``arith_heldout`` and ``eval=<option>`` on the command line still wins."""
+the testbed models keep ``arith_heldout`` and ``eval=<option>`` on the command line still wins. A paper
+model samples its evaluation through vLLM (issue 39), the testbed models through the hf backend."""
 
 import re
 import shlex
@@ -12,8 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import sage.eval.main  # noqa: F401  (registers sage-eval's schema, base_evaluate)
-from sage.config import register_configs
+from sage.eval.main import register_evaluate_configs
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -21,7 +21,7 @@ PAPER = ["qwen2.5-math-7b", "r1-distill-qwen-7b", "qwen2.5-math-1.5b-instruct", 
 TESTBED = ["tiny", "tiny_arith", "tiny_sft", "tiny_chat"]
 MATH_SUITE = ["aime", "amc23", "math500_l5", "minerva"]
 
-register_configs()
+register_evaluate_configs()  # sage-train's schemas and sage-eval's base_evaluate
 
 
 def eval_choice(entry: str, *overrides: str) -> tuple[str, list[str]]:
@@ -42,6 +42,23 @@ def test_a_paper_model_evaluates_the_math_suite(entry, model):
 @pytest.mark.parametrize("model", TESTBED)
 def test_a_testbed_model_keeps_the_held_out_problems(entry, model):
     assert eval_choice(entry, f"model={model}") == ("arith_heldout", ["arith_heldout"])
+
+
+def eval_backend(entry: str, *overrides: str) -> str:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return str(compose(entry, overrides=list(overrides)).eval.backend.value)
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+@pytest.mark.parametrize("model", PAPER)
+def test_a_paper_model_evaluates_through_vllm(entry, model):
+    """At a paper model's scale the hf backend's default batch (512 sequences) holds a KV cache of tens of
+    GiB (issue 39): a paper model's evaluation samples through vLLM unless the command line says otherwise,
+    whichever eval option it evaluates; the testbed models keep the hf backend."""
+    assert eval_backend(entry, f"model={model}") == "vllm"
+    assert eval_backend(entry, f"model={model}", "eval=amc23") == "vllm"
+    assert eval_backend(entry, f"model={model}", "eval.backend=hf") == "hf"  # command line wins
+    assert eval_backend(entry, "model=tiny") == "hf"
 
 
 def paper_section_commands() -> list[list[str]]:
