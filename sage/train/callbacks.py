@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -140,3 +141,47 @@ class OptunaPruning(TrainerCallback):
             log.info("step %d: the study's pruner stops this trial", state.global_step)
             self.pruned_at = state.global_step
             control.should_training_stop = True
+
+
+class StepTimes(TrainerCallback):
+    """Per optimiser step, on every process, one line: the rollout's time, the adapter hand-over's and the
+    rest of the step (scoring, log-prob passes, backward, optimiser), and this process's peak memory so far
+    (its GPU's allocator peak on CUDA, else the process's peak RSS). ``engine``: the rollout function that
+    times its calls (``rollout=vllm``). What ``launchers/first_hour.py`` reads off a first run on a
+    cluster."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._started = 0.0
+        self._seen = (0, 0)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self._started:  # the first micro-batch of the step: it generates the step's rollouts
+            self._started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        wall = time.perf_counter() - self._started
+        self._started = 0.0
+        rollouts, handovers = self._seen
+        rollout = sum(self.engine.rollout_seconds[rollouts:])
+        handover = sum(self.engine.handover_seconds[handovers:])
+        self._seen = (len(self.engine.rollout_seconds), len(self.engine.handover_seconds))
+        log.info(
+            "step %d, process %d: rollout %.2fs, adapter hand-over %.3fs, rest %.2fs; "
+            "peak memory %.2f GiB (%s)",
+            state.global_step,
+            distributed.rank(),
+            rollout,
+            handover,
+            wall - rollout - handover,
+            *peak_memory(),
+        )
+
+
+def peak_memory() -> tuple[float, str]:
+    """This process's peak memory in GiB so far, and what was measured."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30, f"cuda:{torch.cuda.current_device()} allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process RSS"

@@ -113,6 +113,7 @@ class VllmRollout(RolloutCalls):
         self.request = None  # the LoRARequest of the adapter version being served
         self._folder: tempfile.TemporaryDirectory | None = None
         self.handover_seconds: list[float] = []  # per hand-over, for the run's timing lines
+        self.rollout_seconds: list[float] = []  # per call
 
     # ------------------------------------------------------------------------ the engine and its adapter
     def attach(self, trainer) -> VllmRollout:
@@ -211,6 +212,7 @@ class VllmRollout(RolloutCalls):
         prompt_ids, images, multimodal = trainer._tokenize_prompts(prompts)  # TRL's own tokenisation
         if images is not None or multimodal:
             raise ConfigError("rollout=vllm samples text prompts only; these carry images: use rollout=hf")
+        started = time.perf_counter()
         distinct, copies = runs(prompt_ids)
         params = [self.sampling_params(SamplingParams, trainer, n) for n in copies]
         seed = rollout_seed(self.seed, *self.call_id(trainer))
@@ -220,6 +222,7 @@ class VllmRollout(RolloutCalls):
             for o in out.outputs:
                 completion_ids.append(list(o.token_ids))
                 logprobs.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        self.rollout_seconds.append(time.perf_counter() - started)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     def sampling_params(self, cls, trainer, n: int):

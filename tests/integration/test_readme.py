@@ -58,8 +58,6 @@ SHRINK_STUDY = {
 COMPOSE_ONLY = {
     "model=qwen": "a hub model and a GPU",
     "model=r1-distill": "a hub model and a GPU",
-    "rollout=vllm": "CUDA",
-    "eval.backend=vllm": "CUDA",
 }
 # Commands run elsewhere, and why.
 ELSEWHERE = {
@@ -70,6 +68,7 @@ ELSEWHERE = {
     "make reproduce-fork": "the fork world's study: test_reproduce checks its command (make -n); its "
     "methods, controls, tier figures and primary comparison run in tests/test_fork_world.py, "
     "test_trainer_equivalence.py and test_report.py",
+    "make first-hour": "tests/test_first_hour.py runs its command (python -m launchers.first_hour) here",
     "mlflow ui": "MLflow's UI: tests/integration/test_mlflow_ui.py renders a store served by mlflow server",
 }
 
@@ -158,6 +157,8 @@ def covered() -> list:
         if how == "elsewhere":
             continue
         marks = [pytest.mark.integration] if how == "services" else []
+        if how == "run" and "rollout=vllm" in command:  # one vLLM engine at a time (tests/conftest.py)
+            marks.append(pytest.mark.vllm)
         params.append(pytest.param(i, command, marks=marks, id=f"{i:02d}-{shlex.split(command)[0]}"))
     return params
 
