@@ -17,15 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sage.paths import CONF_DIR
-
+# No import of sage here: sage.config imports this module (composed), and sage.paths leads back to it.
 _ENV = "HYDRA_FULL_ERROR"
 _SET_BY_US = "_SAGE_SET_HYDRA_FULL_ERROR"
 
 
-def run_app(app: Callable[[], Any], conf_dir: str | Path = CONF_DIR) -> Any:
-    """Run a ``@hydra.main`` app; a composition error becomes ``error: <one line>`` and exit code 2. A user
-    who set HYDRA_FULL_ERROR asked for Hydra's traceback and gets it."""
+def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
+    """Run a ``@hydra.main`` app over the configs in ``conf_dir``; a composition error becomes ``error: <one
+    line>`` and exit code 2. A user who set HYDRA_FULL_ERROR asked for Hydra's traceback and gets it."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     if os.environ.get(_ENV):
@@ -52,7 +51,7 @@ def composed() -> None:
         os.environ.pop(_ENV, None)
 
 
-def one_line(e: Exception, conf_dir: str | Path = CONF_DIR) -> str | None:
+def one_line(e: Exception, conf_dir: str | Path) -> str | None:
     """The one line for an unknown option (``group=name``) or an unknown key (``group.key=value``); None for
     any other composition error."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -96,7 +95,7 @@ def one_line(e: Exception, conf_dir: str | Path = CONF_DIR) -> str | None:
     return f"{line}: {where} has no key {key!r}; {hint}"
 
 
-def option_keys(group: str, conf_dir: str | Path = CONF_DIR) -> dict[str, set[str]]:
+def option_keys(group: str, conf_dir: str | Path) -> dict[str, set[str]]:
     """Each option of ``conf/<group>/`` and the keys it takes: its file's own keys and those of the schema
     it starts from (``defaults: [base_<schema>]``, registered in Hydra's ConfigStore)."""
     from hydra.core.config_store import ConfigStore

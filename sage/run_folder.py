@@ -311,8 +311,6 @@ def reading(folder: Path) -> Iterator[None]:
     (``keep_earlier_final``) waits for the evaluation to end instead of leaving it without its files. Once
     the lock is held the folder must still be there: a one-line ConfigError otherwise. A folder whose parent
     takes no file (a read-only copy, which no run extends) is read without a lock, as a logged line says."""
-    from sage.config import ConfigError
-
     try:
         lock = open(_readers_lock(folder), "a+")  # noqa: SIM115 (held for the block)
     except OSError as e:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError
+from sage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -584,8 +584,6 @@ def check_run_kept(cfg: DictConfig, out: Path) -> None:
     built. A ConfigError naming the run and both ways out, before any work."""
     if not cfg.tracking.enabled:
         return
-    from sage.config import ConfigError
-
     uri = resolve_uri(cfg.tracking.uri)
     client, _ = open_store(uri, cfg.tracking.experiment)
     run = _run_in_store(client, out / RUN_ID_FILE)

@@ -194,7 +194,7 @@ def main() -> None:
     register_evaluate_configs()
     from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
 
-    run_app(_hydra_main)
+    run_app(_hydra_main, CONF_DIR)
 
 
 if __name__ == "__main__":

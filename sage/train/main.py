@@ -496,7 +496,7 @@ def main() -> None:
     register_configs()
     from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
 
-    run_app(_hydra_main)
+    run_app(_hydra_main, CONF_DIR)
 
 
 if __name__ == "__main__":
