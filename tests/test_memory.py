@@ -276,6 +276,74 @@ def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion, processe
     assert lines[4].startswith("completions: training 64,000 (1000 steps x 8 prompts x 8 generations)")
 
 
+def test_the_rl_step_on_n_processes_is_the_presets_or_said_in_one_line():
+    """An RL optimiser step is per_device x accumulation x processes: trl=paper on 8 processes without
+    trl.gradient_accumulation_steps=8 takes 512 completions, not the preset's 64 (issue 39). The line names
+    the key and the value that keep 64; the step the preset states, and one process, say nothing."""
+    from sage.train.memory import global_batch_warning, preset_batch
+
+    assert preset_batch("paper") == (1, 64) and preset_batch("testbed") == (
+        64,
+        1,
+    )  # TRL's default accumulation
+
+    def step(micro, accumulation, processes):
+        return Batch(micro, accumulation, processes, num_generations=8, prompt_tokens=1, completion_tokens=1)
+
+    assert global_batch_warning(step(1, 64, 8), "paper", (1, 64)) == (
+        "warning: trl=paper states 64 completions per optimiser step (1 per forward pass x 64 accumulation "
+        "steps on one process); 1 x 64 x 8 processes takes 512: pass trl.gradient_accumulation_steps=8 to "
+        "keep 64"
+    )
+    assert global_batch_warning(step(1, 8, 8), "paper", (1, 64)) is None
+    assert global_batch_warning(step(1, 16, 1), "paper", (1, 64)) is None  # one process: the step it states
+    # tests/test_distributed.py's 2-process runs keep the testbed's 64 with 32 per forward pass
+    assert global_batch_warning(step(32, 1, 2), "testbed", (64, 1)) is None
+    line = global_batch_warning(step(64, 1, 2), "testbed", (64, 1))
+    assert line.endswith("64 x 1 x 2 processes takes 128: pass trl.per_device_train_batch_size=32 to keep 64")
+    line = global_batch_warning(step(3, 7, 8), "paper", (1, 64))
+    assert "\n" not in line and line.endswith(
+        "no trl.gradient_accumulation_steps keeps 64 with 3 per forward pass on 8 processes: choose "
+        "trl.per_device_train_batch_size x trl.gradient_accumulation_steps x processes = 64"
+    )
+
+
+def test_the_plan_and_sage_train_say_when_the_rl_step_is_not_the_presets(capsys, monkeypatch, caplog):
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8")
+    assert code == 0
+    warnings = [line for line in out.splitlines() if line.startswith("warning: trl=paper states 64")]
+    assert warnings == [line for line in out.splitlines() if "takes 512" in line] and len(warnings) == 1
+    assert "pass trl.gradient_accumulation_steps=8 to keep 64" in warnings[0]
+    _, out, _ = plan(
+        capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
+    )
+    assert "warning: trl=" not in out
+
+    # sage-train's main process says it at start, before the process group and any model
+    from hydra.core.hydra_config import HydraConfig
+
+    from sage import distributed
+    from sage.train import main
+
+    class Joined(Exception):
+        pass
+
+    def init(timeout_s):
+        raise Joined
+
+    paper_here = ("trl.bf16=false", "trl.optim=adamw_torch")  # what this CPU runs; the step is the same
+    cfg = compose_train("trl=paper", *paper_here, "tracking.enabled=false", "eval.at_end=false")
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored after the test
+    HydraConfig.instance().set_config(cfg)
+    monkeypatch.setattr(distributed, "init", init)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level("WARNING", logger="sage.train.main"), pytest.raises(Joined):
+        main.train(cfg)
+    said = [r.getMessage() for r in caplog.records if r.name == "sage.train.main"]
+    assert said == [warnings[0]]
+
+
 def test_a_paper_run_counts_the_math_suite_completions(capsys):
     """Issue 20's figure: 506 problems x 256 samples x 3 seeds = 388,608 completions per evaluated model."""
     code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER)

@@ -314,6 +314,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # the main process exits and the launcher (torchrun, srun) stops the others.
     if distributed.is_main():
         check_store(cfg)
+        from sage.train.memory import run_batch_warning
+
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        warning = run_batch_warning(cfg, distributed.world_size(), choices.get("trl"))
+        if warning:  # the run's step against its trl preset's, said once
+            log.warning(warning)
     divergence, guide = build_parts(cfg)
     distributed.init(timeout_s=cfg.trl.ddp_timeout)  # the Trainer's own timeout, for the group made here
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.

@@ -305,6 +305,64 @@ def batch_of(cfg, prompt_tokens: int, processes: int) -> Batch:
     )
 
 
+def preset_batch(preset: str) -> tuple[int, int]:
+    """(completions per forward pass, accumulation steps) that ``conf/trl/<preset>.yaml`` states: the
+    preset's optimiser step as one process takes it, TRL's defaults where the file is silent."""
+    from omegaconf import OmegaConf
+    from trl import GRPOConfig
+
+    from sage.paths import CONF_DIR
+
+    node = OmegaConf.load(Path(CONF_DIR) / "trl" / f"{preset}.yaml")
+    defaults = GRPOConfig.__dataclass_fields__
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    micro, accumulation = (int(node.get(k, defaults[k].default)) for k in keys)
+    return micro, accumulation
+
+
+def global_batch_warning(batch: Batch, preset: str, stated: tuple[int, int]) -> str | None:
+    """One line when an RL optimiser step over more than one process does not take the completions the
+    ``trl=<preset>`` preset states for one process (``stated``: its micro-batch and accumulation), with the
+    setting that keeps them; None when it does, or on one process.
+
+    RL does not split the step over the processes as the SFT stage does (``sage.train.sft.split_batch``):
+    TRL's per-process knobs are the run's record and a command may mean a larger step on more GPUs, so the
+    run goes on and says what it does instead of changing a key the user may have chosen."""
+    keep = stated[0] * stated[1]
+    # one process takes the step its config states: a changed micro-batch or accumulation is the step
+    # the command asks for
+    if batch.processes == 1 or batch.per_step == keep:
+        return None
+    per_pass = batch.micro * batch.processes
+    if keep % per_pass == 0:
+        fix = f"pass trl.gradient_accumulation_steps={keep // per_pass} to keep {keep}"
+    elif keep % (batch.accumulation * batch.processes) == 0:
+        fix = (
+            f"pass trl.per_device_train_batch_size={keep // (batch.accumulation * batch.processes)} to keep "
+            f"{keep}"
+        )
+    else:
+        fix = (
+            f"no trl.gradient_accumulation_steps keeps {keep} with {batch.micro} per forward pass on "
+            f"{batch.processes} processes: choose trl.per_device_train_batch_size x "
+            f"trl.gradient_accumulation_steps x processes = {keep}"
+        )
+    return (
+        f"warning: trl={preset} states {keep} completions per optimiser step ({stated[0]} per forward pass x "
+        f"{stated[1]} accumulation steps on one process); {batch.micro} x {batch.accumulation} x "
+        f"{batch.processes} processes takes {batch.per_step}: {fix}"
+    )
+
+
+def run_batch_warning(cfg, processes: int, preset: str | None) -> str | None:
+    """:func:`global_batch_warning` for a composed sage-train config on ``processes`` processes; ``preset``
+    is Hydra's choice of the trl group (None: the config was composed without Hydra's record of its
+    choices, so there is no preset to compare with)."""
+    if preset is None:
+        return None
+    return global_batch_warning(batch_of(cfg, 0, processes), preset, preset_batch(preset))
+
+
 def colocated_fraction(cfg) -> float:
     """The share of each GPU a training-rollout engine beside the trainer takes: TRL's colocated engine
     (``rollout=vllm_merged``) or sage's adapter-serving one (``rollout=vllm``), both sized by
@@ -571,6 +629,8 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
             "with a config.json)",
             batch.describe(),
         ]
+    warning = run_batch_warning(cfg, processes, OmegaConf.select(cfg, "hydra.runtime.choices.trl"))
+    lines += [warning] if warning else []
     training, how = training_completions(cfg, batch)
     evaluation = evaluation_completions(cfg, problems)
     shown = "unknown" if training is None else f"{training:,}"
