@@ -21,6 +21,7 @@ from pathlib import Path
 import prefork
 import pytest
 import torch
+from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -81,7 +82,7 @@ def trainer_for(path, tmp_path, **config) -> GRPOTrainer:
         reward_funcs=[zero_reward],
         args=args,
         train_dataset=arith_dataset(16, 0),
-        rollout_func=CompactRollout(args, lora=False),
+        rollout_func=CompactRollout(args, lora=None),
     )
     trainer.model.train()  # as during training: the rollout must not depend on the module's mode
     return trainer
@@ -169,11 +170,11 @@ def test_min_p_off_leaves_the_draws_unchanged():
 @pytest.mark.parametrize(
     ("config", "lora", "named"),
     [
-        ({}, True, "LoRA"),
-        ({"top_k": 5}, False, "trl.top_k=5"),
-        ({"repetition_penalty": 1.1}, False, "trl.repetition_penalty=1.1"),
-        ({"generation_kwargs": {"typical_p": 0.9}}, False, "trl.generation_kwargs"),
-        ({"use_transformers_continuous_batching": True}, False, "continuous_batching"),
+        ({}, LoraConfig(r=8), "LoRA"),
+        ({"top_k": 5}, None, "trl.top_k=5"),
+        ({"repetition_penalty": 1.1}, None, "trl.repetition_penalty=1.1"),
+        ({"generation_kwargs": {"typical_p": 0.9}}, None, "trl.generation_kwargs"),
+        ({"use_transformers_continuous_batching": True}, None, "continuous_batching"),
     ],
 )
 def test_settings_it_cannot_sample_are_one_line_errors(tmp_path, config, lora, named):
@@ -212,7 +213,7 @@ def test_use_vllm_is_refused(tmp_path):
     args = grpo_args(tmp_path)
     args.use_vllm = True  # GRPOConfig itself would look for vLLM at construction
     with pytest.raises(ConfigError, match=r"rollout=fast .*trl\.use_vllm=true"):
-        CompactRollout(args, lora=False)
+        CompactRollout(args, lora=None)
 
 
 def test_unsupported_policies_are_named_in_one_line():
@@ -406,7 +407,7 @@ def test_a_rollout_is_a_function_of_seed_step_and_call(testbed_path, tmp_path):
 
     trainer = trainer_for(testbed_path, tmp_path)
     prompts = repeated(arith_dataset(4, 2)["prompt"], 4)
-    first, resumed = CompactRollout(trainer.args, lora=False), CompactRollout(trainer.args, lora=False)
+    first, resumed = CompactRollout(trainer.args, lora=None), CompactRollout(trainer.args, lora=None)
 
     def sample(rollout):
         return rollout(prompts, trainer)["completion_ids"]
@@ -421,7 +422,7 @@ def test_a_rollout_is_a_function_of_seed_step_and_call(testbed_path, tmp_path):
     other = copy.copy(trainer.args)
     other.seed = trainer.args.seed + 1
     trainer.state.global_step = 5
-    assert sample(CompactRollout(other, lora=False)) != a
+    assert sample(CompactRollout(other, lora=None)) != a
 
 
 # ------------------------------------------------------------------------------------------ sage-train

@@ -63,9 +63,11 @@ def length_reward(completions, **kwargs):
 
 
 def merged_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """The policy as it is now, merged into its base (peft's merge of a copy), decoding greedily for ``n``
-    tokens past any eos; with the top-2 logit margin at each position (a near tie can go either way)."""
-    merged = copy.deepcopy(model).merge_and_unload().eval()
+    """The policy as it is now (a LoRA policy merged into its base: peft's merge of a copy), decoding
+    greedily for ``n`` tokens past any eos; with the top-2 logit margin at each position (a near tie can go
+    either way)."""
+    merged = copy.deepcopy(model)
+    merged = (merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -104,7 +106,7 @@ class CheckedRollout(VllmRollout):
         distinct = [p for i, p in enumerate(prompt_ids) if i == 0 or p != prompt_ids[i - 1]][:4]
         check = {
             "step": trainer.state.global_step,
-            "version": self.request.lora_int_id,
+            "version": self.version,
             "engine": engine_greedy(self, distinct, GREEDY_TOKENS),
             "policy": merged_greedy(self.model, distinct, GREEDY_TOKENS),
         }
@@ -124,9 +126,9 @@ class CheckedRollout(VllmRollout):
         return out
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Two steps of SageGRPOTrainer with the checked rollout; the trainer and its rollout stay up."""
+def train_checked(tmp, lora: LoraConfig | None, model: str | None = None):
+    """Two steps of SageGRPOTrainer with the checked rollout, on a policy whose weights were moved off the
+    base before the first step; returns the trainer and its rollout (its engine still up)."""
     from sage.objective.divergences import ReverseKL
     from sage.objective.guides import NoGuide
     from sage.testbed.model import build_tiny_model
@@ -135,12 +137,10 @@ def trained(tmp_path_factory):
     from sage.train.trl_import import import_grpo_trainer
 
     import_grpo_trainer(use_vllm=True)
-    tmp = tmp_path_factory.mktemp("vllm_rollout")
     args = grpo_args(tmp)
-    lora = LoraConfig(**LORA)
     rollout = CheckedRollout(args, lora, dtype="float32", cpu_memory_utilization=0.1)
     trainer = SageGRPOTrainer(
-        model=build_tiny_model(),
+        model=model or build_tiny_model(),
         reward_funcs=[length_reward],
         args=args,
         train_dataset=arith_dataset(64, 0),
@@ -149,13 +149,19 @@ def trained(tmp_path_factory):
         guide=NoGuide(),
         rollout_func=rollout,
     )
-    # peft starts B at 0 (the adapter a no-op): an adapter that changes the outputs from the first step on
+    # peft starts B at 0 (the adapter a no-op): a policy that differs from the base from the first step on
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            if ("lora_B" in name) if lora is not None else ("proj" in name):
+                p.add_((0.05 if lora is not None else 0.02) * torch.randn(p.shape, generator=gen))
     trainer.train()
+    return trainer, rollout
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    trainer, rollout = train_checked(tmp_path_factory.mktemp("vllm_rollout"), LoraConfig(**LORA))
     yield trainer, rollout
     rollout.close()
 
@@ -176,7 +182,40 @@ def test_the_served_adapter_is_the_current_policy_at_every_step(trained):
     greedy decode equals the merged policy's, token for token over GREEDY_TOKENS tokens per prompt; a
     disagreement is allowed only after a position where the policy's top-2 logits are within 1e-4 (a tie
     either side may break). The adapter matters: the policy's decode changed between the two steps."""
-    _, rollout = trained
+    check_served_policy(trained[1])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_full_fine_tuning_is_served_as_weights_reloaded_in_place(tmp_path):
+    """model.lora=null: after each optimiser step the whole policy is written and vLLM reloads it in place
+    (the CPU build packs the reloaded weights again); the engine's greedy decode at steps 0 and 1 is the
+    policy's, as for an adapter. The testbed model ties its output layer to its embeddings, which vLLM
+    0.31 does not reload: that is refused before the first step, and an untied copy trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sage.testbed.model import build_tiny_model
+
+    with pytest.raises(ConfigError, match="tied to its embeddings"):
+        train_checked(tmp_path / "tied", None)
+    tied = AutoModelForCausalLM.from_pretrained(build_tiny_model())
+    untied = AutoModelForCausalLM.from_config(
+        tied.config.__class__(**{**tied.config.to_dict(), "tie_word_embeddings": False})
+    )
+    untied.load_state_dict({**tied.state_dict(), "lm_head.weight": tied.lm_head.weight.detach().clone()})
+    untied.save_pretrained(tmp_path / "untied")
+    AutoTokenizer.from_pretrained(build_tiny_model()).save_pretrained(tmp_path / "untied")
+    trainer, rollout = train_checked(tmp_path, None, str(tmp_path / "untied"))
+    try:
+        assert rollout.request is None
+        check_served_policy(rollout)
+        key = "sampling/importance_sampling_ratio/mean"
+        assert [abs(e[key] - 1) < 0.01 for e in trainer.state.log_history if key in e] == [True, True]
+    finally:
+        rollout.close()
+
+
+def check_served_policy(rollout) -> None:
     assert [c["step"] for c in rollout.checks] == [0, 1]
     versions = [c["version"] for c in rollout.checks]
     assert versions[1] > versions[0]
@@ -270,7 +309,6 @@ def args_for(tmp_path, **config):
 @pytest.mark.parametrize(
     ("lora", "config", "named"),
     [
-        (None, {}, "full fine-tuning (model.lora=null): use rollout=vllm_merged"),
         ({"use_dora": True}, {}, "model.lora.use_dora=true (DoRA)"),
         ({"modules_to_save": ["lm_head"]}, {}, "model.lora.modules_to_save=['lm_head']"),
         ({"bias": "all"}, {}, "model.lora.bias=all"),

@@ -215,10 +215,12 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rol
     if asked for (it hands its metrics to those callbacks; through the rollouts' engine if it has one)."""
     from sage.eval.sampling import SamplingSettings
     from sage.tracking import step_callback
-    from sage.train.callbacks import PeriodicEval
+    from sage.train.callbacks import PeriodicEval, StepTimes
 
     extra = [config_callback(name, node) for name, node in cfg.callbacks.items()]
     cbs = ([step_callback(tracker)] if tracker is not None else []) + extra
+    if hasattr(rollout_func, "rollout_seconds"):  # an engine that times its rollouts: a line per step
+        cbs.append(StepTimes(rollout_func))
     if cfg.eval.every_steps:
         settings = SamplingSettings(
             n_samples=cfg.eval.every_n_samples,
