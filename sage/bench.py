@@ -16,6 +16,10 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
   and by 2 processes under ``torchrun`` (gloo), launches interleaved, and their ratio. Each process has
   one core to itself (pinned; one torch thread, OMP_NUM_THREADS=1, and one grading worker on that core), as
   each process of a GPU run has its own GPU and its own cores;
+- real_rollout: the real 0.5B model's GRPO step (model=qwen2.5-coder-0.5b-instruct, LoRA, 8 MATH-500 prompts
+  x 8 completions of at most REAL_TOKENS tokens) with ``rollout=hf`` (transformers' generate inside TRL) and
+  ``rollout=vllm`` (the adapter served by vLLM's CPU build), each step split into the rollout and the rest,
+  with the engine's CPU seconds per wall second while it decodes;
 - vllm_seeding: seconds per block (30 prompts x 8 samples, ChatML prompts long enough that prefills are
   chunked) of the vLLM CPU build with seeds per request (chunked prefill off: on, it stops with "CPU
   Generator does not use offset") and with the engine seeded per block (``VllmSampler``), interleaved.
@@ -32,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import torch
@@ -41,6 +46,10 @@ OVERHEAD_STEPS, WARMUP_STEPS, OVERHEAD_PAIRS = 10, 2, 3
 TRAIN_STEPS, TRAIN_PAIRS = 10, 3
 SHARD_PROBLEMS, SHARD_SAMPLES, SHARD_PAIRS = 256, 32, 3
 VLLM_PROMPTS, VLLM_SAMPLES, VLLM_REPEATS = 30, 8, 5
+# 8 prompts x 8 completions (trl=paper's step) of at most 32 tokens: every step also runs three passes of
+# the 0.5B model over 64 sequences (old and reference log-probs, the loss with its backward), which on two
+# cores take minutes, so the length is kept short; 2 steps, the first a warm-up (the figures are the second's)
+REAL_PROMPTS, REAL_GENERATIONS, REAL_TOKENS, REAL_STEPS = 8, 8, 32, 2
 
 
 def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new: int) -> int:
@@ -470,6 +479,165 @@ def bench_vllm_seeding(repeats: int = VLLM_REPEATS) -> dict[str, float | str]:
     }
 
 
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int) -> dict[str, list[float]]:
+    """Per optimiser step of one ``rollout`` ("hf" or "vllm"): the step's wall seconds, its rollout's (the
+    generation, and for vllm the adapter hand-over apart), and CPU seconds per wall second during the
+    rollout of this process and of the engine's processes."""
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+
+    from sage.objective.divergences import ReverseKL
+    from sage.objective.guides import NoGuide
+    from sage.train.trl_import import import_grpo_trainer
+
+    import_grpo_trainer(use_vllm=rollout == "vllm")
+    from sage.train.trainer import SageGRPOTrainer
+    from sage.train.vllm_rollout import VllmRollout
+
+    times: dict[str, list[float]] = {"step": [], "rollout": [], "handover": [], "cpu_per_wall": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=REAL_GENERATIONS,  # one prompt's group per forward pass
+            gradient_accumulation_steps=REAL_PROMPTS,  # so one step generates 8 prompts x 8 completions
+            num_generations=REAL_GENERATIONS,
+            max_completion_length=tokens,
+            beta=0.04,
+            use_bias_correction_kl=False,
+            learning_rate=1e-5,
+            max_steps=steps,
+            save_strategy="no",
+            report_to="none",
+            logging_steps=1,
+            bf16=False,
+            gradient_checkpointing=False,
+            temperature=0.7,
+            seed=0,
+        )
+        lora = LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            task_type="CAUSAL_LM",
+        )
+        rollout_func = None
+        if rollout == "vllm":
+            rollout_func = VllmRollout(args, lora, dtype="float32", cpu_memory_utilization=0.3)
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if not hasattr(self, "started"):
+                    self.started = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                now = time.perf_counter()
+                times["step"].append(now - self.started)
+                self.started = now
+
+        before = {c.pid for c in psutil.Process().children(recursive=True)}
+        trainer = SageGRPOTrainer(
+            model=model,
+            reward_funcs=[lambda completions, **kw: [float(len(str(c)) % 5) for c in completions]],
+            args=args,
+            train_dataset=dataset,
+            peft_config=lora,
+            divergence=ReverseKL(0.04),
+            guide=NoGuide(),
+            callbacks=[Steps()],
+            rollout_func=rollout_func,
+        )
+        me = psutil.Process()
+        engine = [c for c in me.children(recursive=True) if c.pid not in before]  # vLLM's processes
+        generate = rollout_func.__call__ if rollout == "vllm" else trainer._generate_single_turn
+
+        def timed(*a, **kw):
+            t0, cpu0, engine0 = time.perf_counter(), me.cpu_times(), _cpu_seconds(engine)
+            out = generate(*a, **kw)
+            wall = time.perf_counter() - t0
+            cpu1 = me.cpu_times()
+            cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system + _cpu_seconds(engine) - engine0
+            times["rollout"].append(wall)
+            times["cpu_per_wall"].append(cpu / wall)
+            return out
+
+        if rollout == "vllm":  # TRL hands the adapter over (sync_weights), then calls rollout_func
+            trainer.rollout_func = timed
+            sync = rollout_func.sync_weights
+
+            def timed_sync():
+                t0 = time.perf_counter()
+                sync()
+                times["handover"].append(time.perf_counter() - t0)
+
+            trainer.vllm_generation = SimpleNamespace(sync_weights=timed_sync)
+        else:
+            trainer._generate_single_turn = timed
+        try:
+            trainer.train()
+        finally:
+            if rollout_func is not None:
+                rollout_func.close()
+    return times
+
+
+def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> dict[str, float | str]:
+    """The real 0.5B model's GRPO step with each rollout backend, one after the other in this process, on
+    the same prompts, group size, length and seed; medians over the steps after the first (a warm-up: the
+    engine's first batch, transformers' first generate). ``rest`` is the step without its rollout and
+    hand-over: the scoring, the log-prob passes, backward and the optimiser, the same work for both."""
+    import json as _json
+
+    from datasets import Dataset
+    from hydra import compose, initialize_config_dir
+
+    from sage.config import register_configs
+    from sage.data.benchmarks import math_data
+    from sage.data.prompts import make_prompt
+    from sage.models import from_package_gguf
+    from sage.paths import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct"])
+    model = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
+    rows = [_json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()]
+    easy = [r for r in rows if r.get("level") == 1][:REAL_PROMPTS]
+    dataset = Dataset.from_list(
+        [{"prompt": make_prompt(r["problem"], True), "answer": r["answer"]} for r in easy]
+    )
+    out: dict[str, float | str] = {
+        "real_rollout_shape": f"{REAL_PROMPTS} prompts x {REAL_GENERATIONS} completions x <= {tokens} tokens"
+    }
+    medians = {}
+    for backend in ("hf", "vllm"):
+        times = _real_step_times(backend, model, dataset, steps, tokens)
+        m = {k: statistics.median(v[1:]) for k, v in times.items() if len(v) > 1}
+        m.setdefault("handover", 0.0)
+        rest = m["step"] - m["rollout"] - m["handover"]
+        medians[backend] = m
+        out[f"real_step_seconds_{backend}"] = round(m["step"], 1)
+        out[f"real_rollout_seconds_{backend}"] = round(m["rollout"], 1)
+        out[f"real_rest_seconds_{backend}"] = round(rest, 1)
+        out[f"real_rollout_cpu_per_wall_{backend}"] = round(m["cpu_per_wall"], 2)
+    out["real_handover_seconds_vllm"] = round(medians["vllm"]["handover"], 3)
+    out["real_rollout_hf_over_vllm"] = round(medians["hf"]["rollout"] / medians["vllm"]["rollout"], 2)
+    out["real_step_hf_over_vllm"] = round(medians["hf"]["step"] / medians["vllm"]["step"], 2)
+    out["cores"] = len(os.sched_getaffinity(0))
+    return out
+
+
 BENCHES = {
     "eval": bench_eval,
     "attention": bench_attention,
@@ -478,6 +646,7 @@ BENCHES = {
     "run": bench_run,
     "eval_processes": bench_eval_processes,
     "vllm_seeding": bench_vllm_seeding,
+    "real_rollout": bench_real_rollout,
 }
 
 

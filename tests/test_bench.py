@@ -20,6 +20,7 @@ def test_only_names_every_section_and_refuses_others():
         "run",
         "eval_processes",
         "vllm_seeding",
+        "real_rollout",
     ]
     assert all(f"- {name}:" in bench.__doc__ for name in bench.BENCHES)
     command = [sys.executable, "-m", "sage.bench", "--only", "train,nope"]
