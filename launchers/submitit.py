@@ -1,5 +1,5 @@
 """sage's submitit launchers (``hydra/launcher=local|slurm``, options in conf/hydra/launcher/): their schemas
-and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with four changes:
+and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with five changes:
 
 - A job that fails (exception, ``scancel``, SIGKILL, node failure) comes back as a FAILED ``JobReturn``
   instead of an exception that discards the other jobs' results: a grid still fails at the end (Hydra's
@@ -10,6 +10,8 @@ and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with four 
 - The local launcher runs at most ``parallelism`` jobs at a time (submitit's local executor starts them
   all at once), and the SLURM launcher asks ``sacct`` at least every ``status_poll_max_s`` seconds
   (submitit's own polling backs off to 10 minutes), so a job killed outright is reported failed promptly.
+- The SLURM launcher warns at submission, a line each, about a SQLite MLflow store several jobs or nodes
+  write and about a folder every job must see on a node-local filesystem (``submission_warnings``).
 
 Registered for Hydra by hydra_plugins/sage_launchers (Hydra only instantiates plugins from that package).
 """
@@ -30,6 +32,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
+# this machine's mounts, whose filesystem types say which folders the jobs' nodes share
+PROC_MOUNTS = Path("/proc/mounts")
 
 
 @dataclass
@@ -51,6 +55,28 @@ def with_resume_auto(overrides: list[str]) -> list[str]:
     """The job's overrides plus ``resume=auto``, unless they already choose ``resume``."""
     keys = {o.get_key_element() for o in OverridesParser.create().parse_overrides(overrides)}
     return overrides if "resume" in keys else [*overrides, "resume=auto"]
+
+
+def submission_warnings(config, jobs: int, mounts: str | None = None) -> list[str]:
+    """What makes a SLURM grid fail or corrupt its records, said before it is submitted
+    (``sage.train.memory.cluster_warnings``, the plan's own warnings): the SQLite MLflow store written by
+    several jobs or nodes, and the cache (``$SAGE_CACHE_DIR``, ``sage.paths.cache_dir``), the SQLite file or
+    the sweep dir on a node-local filesystem. Shared is decided by the filesystem type of the folder's mount
+    in this machine's /proc/mounts (nfs, lustre, gpfs, ...), not by its path: /tmp is local on most clusters
+    and $HOME shared on most, but neither is a rule, and the submitting node sees the same mounts as the
+    jobs' nodes on any cluster where a grid can work at all."""
+    from sage.train.memory import cluster_warnings
+
+    if mounts is None:
+        mounts = PROC_MOUNTS.read_text() if PROC_MOUNTS.is_file() else ""
+    # what the checks read: the store sage-train and sage-eval resolve (tracking.uri, else the environment)
+    view = OmegaConf.create(
+        {
+            "tracking": {"uri": OmegaConf.select(config, "tracking.uri")},
+            "hydra": {"sweep": {"dir": str(config.hydra.sweep.dir)}},
+        }
+    )
+    return cluster_warnings(view, config.hydra.launcher, jobs, mounts)
 
 
 def failed_return(job, job_num: int, overrides: list[str], error: Exception) -> JobReturn:
@@ -183,6 +209,8 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
     OWN_KEYS = ("status_poll_max_s",)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
+        for line in submission_warnings(self.config, len(job_overrides)):  # before anything is submitted
+            log.warning(line)
         executor, params = self._start(job_overrides, initial_job_idx)
         running = dict(enumerate(executor.map_array(self, *zip(*params, strict=True))))
         results: dict[int, JobReturn] = {}

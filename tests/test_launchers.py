@@ -15,6 +15,7 @@ import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from launchers.submitit import with_resume_auto
 from sage.config import ConfigError, Resume, register_configs, resume_mode
@@ -119,3 +120,56 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_run(tmp_path):
     assert json.loads((jobs[1] / "metrics.json").read_text()) == {}  # max_steps=0, no evaluation
     for job in jobs:
         assert "resume=auto" in (job / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_the_slurm_launcher_warns_at_submission_about_sqlite_and_node_local_folders(
+    monkeypatch, tmp_path, caplog
+):
+    """A SLURM grid logging to the default SQLite store, or with the cache, the store or the sweep dir on a
+    node-local filesystem, is warned about, a line each, before anything is submitted (issue 39); with a
+    tracking server and shared folders it is submitted without a word."""
+    import launchers.submitit as submitit_launchers
+    from hydra_plugins.sage_launchers import SageSlurmLauncher
+
+    class Submitted(Exception):
+        pass
+
+    def submit(self, job_overrides, initial_job_idx):
+        raise Submitted
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda1 / ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\nnas:/home /home nfs4 rw 0 0\n")
+    monkeypatch.setattr(submitit_launchers, "PROC_MOUNTS", mounts)
+    monkeypatch.setattr(SageSlurmLauncher, "_start", submit)
+
+    def launch(sweep_dir: str) -> list[str]:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(
+                "train",
+                overrides=["hydra/launcher=slurm", f"hydra.sweep.dir={sweep_dir}"],
+                return_hydra_config=True,
+            )
+        params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+        launcher = SageSlurmLauncher(**{k: v for k, v in params.items() if k != "_target_"})
+        launcher.setup(hydra_context=None, task_function=None, config=cfg)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="launchers.submitit"), pytest.raises(Submitted):
+            launcher.launch([["seed=1"], ["seed=2"]], initial_job_idx=0)
+        return [r.getMessage() for r in caplog.records if r.name == "launchers.submitit"]
+
+    store = tmp_path / "outputs" / "mlflow.db"  # under /tmp: node-local here
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("SAGE_CACHE_DIR", "/home/ada/.cache/sage")  # on nfs4: shared
+    warned = launch(f"{tmp_path}/sweep")
+    assert len(warned) == 3, warned
+    assert warned[0].startswith(f"warning: the MLflow store is the SQLite file {store}, and 2 SLURM jobs")
+    assert warned[1].startswith(
+        f"warning: the MLflow SQLite store (tracking.uri / $MLFLOW_TRACKING_URI) {store.parent} is on tmpfs"
+    )
+    assert warned[2].startswith(f"warning: the sweep dir (hydra.sweep.dir) {tmp_path}/sweep is on tmpfs")
+    monkeypatch.setenv("SAGE_CACHE_DIR", f"{tmp_path}/cache")
+    cache = "warning: the cache (sage.paths.cache_dir(): $SAGE_CACHE_DIR, else ~/.cache/sage)"
+    assert launch(f"{tmp_path}/sweep")[1].startswith(f"{cache} {tmp_path}/cache is on tmpfs")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    monkeypatch.setenv("SAGE_CACHE_DIR", "/home/ada/.cache/sage")
+    assert launch("/home/ada/sweeps/a") == []
