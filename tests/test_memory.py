@@ -6,6 +6,8 @@ paper model planned to fit an 80 GiB GPU with the README's commands, a Hydra gri
 sweeper does with each job's completions, and the cluster warnings (SQLite written from several nodes, a
 folder the jobs must share on a node-local filesystem)."""
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -342,6 +344,81 @@ def test_the_plan_and_sage_train_say_when_the_rl_step_is_not_the_presets(capsys,
         main.train(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == "sage.train.main"]
     assert said == [warnings[0]]
+
+
+def test_the_plan_says_how_long_the_sft_stage_trains_and_the_command_that_builds_it_first(capsys):
+    """Table 7's SFT batch of one row cannot be shared by 8 processes: one process trains it while every job
+    that starts from it waits (issue 39). The plan says so in each job, and once the command that builds it
+    as a job of its own."""
+    code, out, _ = plan(
+        capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
+    )
+    assert code == 0
+    lines = out.splitlines()
+    assert any(
+        line.startswith(
+            "sft: the SFT stage trains on one process alone (model.sft.args' batch of 1 row(s) per optimiser "
+            "step cannot be shared by 8 processes; the others wait), "
+        )
+        and line.endswith("; every job that starts from it waits until it is built")
+        for line in lines
+    ), out
+    build = "sft: build it first, as a job of its own: sage-train model=qwen2.5-math-7b trl.max_steps=0 "
+    assert lines[-1] == build + "eval.at_end=false tracking.enabled=false"
+    # the testbed's SFT data is counted: 512 rows, 8 per step, one epoch; a grid prints its command once
+    code, out, _ = plan(capsys, "-m", "model=tiny_sft", "seed=1,2")
+    assert (
+        out.count(
+            "sft: the SFT stage trains on one process, at most 64 optimiser steps (1 epoch(s) x 512 rows at "
+            "8 row(s) per step, before the rows longer than model.sft.args.max_length tokens are dropped)"
+        )
+        == 2
+    )
+    assert out.count("sft: build it first") == 1
+    # a batch that splits is trained by the job's processes together: 4 rows each, the same 8 per step
+    _, out, _ = plan(capsys, "model=tiny_sft", "processes=2", "trl.per_device_train_batch_size=32")
+    assert "sft: the SFT stage trains on the job's 2 processes, at most 64 optimiser steps (1 epoch(s)" in out
+    assert global_batch_warning_absent(out)
+
+
+def global_batch_warning_absent(out: str) -> bool:
+    return "warning: trl=" not in out
+
+
+@pytest.mark.slow
+def test_the_printed_sft_command_builds_the_sft_stage_and_nothing_else(capsys, monkeypatch, tmp_path):
+    """The plan's command, run as printed, leaves the SFT stage a grid job of the same model reuses (the
+    cache entry of the job's own key), and neither an RL step nor an evaluation."""
+    from sage.config import instantiate_node
+    from sage.paths import cache_dir
+    from sage.train.sft import DONE_FILE, sft_key
+
+    # a cache of the test's own for the SFT stage, beside the machine's testbed base models (built once)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "testbed").symlink_to(cache_dir() / "testbed", target_is_directory=True)
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+    small = ("model.sft.data.n=32", "model.sft.args.max_steps=2")
+    _, out, _ = plan(capsys, "-m", "model=tiny_chat", *small, "seed=1,2")
+    assert "sft: the SFT stage trains on one process, model.sft.args.max_steps=2 optimiser steps;" in out
+    command = [line for line in out.splitlines() if line.startswith("sft: build it first")]
+    assert len(command) == 1
+    words = command[0].split("as a job of its own: ", 1)[1].split()
+    assert words[0] == "sage-train"
+    out_dir = tmp_path / "build"
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", *words[1:], f"output_dir={out_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = list((tmp_path / "cache" / "sft").glob(f"*/{DONE_FILE}"))
+    assert len(built) == 1
+    job = compose_train("model=tiny_chat", *small, "seed=2")
+    key = sft_key(job, instantiate_node(job.model.source))
+    assert json.loads(built[0].read_text())["key"] == json.loads(json.dumps(key))
+    assert not (out_dir / "rl").exists() and not (out_dir / "eval").exists()
 
 
 def test_a_paper_run_counts_the_math_suite_completions(capsys):

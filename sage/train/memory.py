@@ -14,7 +14,11 @@ the longest prompt is a stated assumption, ``prompt_tokens``), the memory estima
 share holds, and the completions: training ``trl.max_steps`` x prompts x generations, evaluation problems x
 ``eval.n_samples`` x seeds over the eval datasets for each evaluated model (the start model's cells are shared
 by every job that starts from the same model with the same evaluation settings: counted once in the grid's
-total). It exits 1 if a job does not fit, 2 on a bad argument.
+total). A job with an SFT stage gets how long it trains, on how many processes (Table 7's batch of one row
+is trained by one process while the job's others, and every job that starts from it, wait), and the grid
+the command that builds it first as a job of its own. An RL step over several processes that does not take
+the completions its trl preset states is said in one line, with the key that keeps them. It exits 1 if a
+job does not fit, 2 on a bad argument.
 
 Processes per job: ``hydra.launcher.tasks_per_node`` x ``hydra.launcher.nodes`` under the submitit
 launchers, else ``processes=`` (default 1). The architecture is the model's ``config.json``: read from
@@ -40,6 +44,7 @@ Warnings (the job still runs, but a cluster makes it fail or corrupt records):
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -467,6 +472,92 @@ def evaluation_completions(cfg, problems: Problems) -> Evaluation:
     return Evaluation(per_model, trained, base, periodic, how)
 
 
+# ---- the SFT stage -----------------------------------------------------------------------------------
+
+
+def sft_rows(sft_cfg, chat: bool) -> tuple[int | None, str]:
+    """(rows, "") of the SFT data as this machine holds it, or (None, why not). A hub dataset is read from
+    the local cache only: the plan downloads nothing (an offline machine would retry for half a minute)."""
+    import datasets.config
+
+    from sage.config import instantiate_node
+
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return len(instantiate_node(sft_cfg.data, chat=chat)), ""
+    except Exception as e:  # any failure to read the rows leaves the count unknown, with its reason
+        while e.__cause__ is not None:  # instantiate's wrapper says only which target failed
+            e = e.__cause__
+        return None, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
+
+
+def sft_steps(rows: int, epochs: float, micro: int, accumulation: int, processes: int) -> int:
+    """Optimiser steps of ``epochs`` over ``rows`` as transformers' Trainer counts them: each epoch's
+    micro-batches (over every process) grouped by the accumulation, at least one step per epoch."""
+    per_epoch = max(math.ceil(rows / (micro * processes)) // accumulation, 1)
+    return math.ceil(epochs * per_epoch)
+
+
+def sft_command(cfg) -> str:
+    """The sage-train command that builds this config's SFT stage (the cache entry every run of its model
+    starts from) and nothing else: the model as the job composes it (its group choice and its ``model.*``
+    overrides: what ``sage.train.sft.sft_key`` depends on), no RL step (``trl.max_steps=0``), no evaluation,
+    and no MLflow run, since a cache entry is not a result to report."""
+    from omegaconf import OmegaConf
+
+    choice = OmegaConf.select(cfg, "hydra.runtime.choices.model")
+    task = OmegaConf.select(cfg, "hydra.overrides.task", default=[]) or []
+    model = [o for o in task if o.lstrip("+~").split("=", 1)[0].startswith("model.")]
+    nothing_else = ("trl.max_steps=0", "eval.at_end=false", "tracking.enabled=false")
+    return " ".join(["sage-train", f"model={choice}", *model, *nothing_else])
+
+
+def sft_lines(cfg, processes: int) -> list[str]:
+    """How long the SFT stage trains, on how many processes, and the command that builds it first."""
+    from sage.train.sft import effective_batch, split_batch
+
+    args = cfg.model.sft.args
+    micro, accumulation = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    batch = effective_batch(args)
+    split = split_batch(micro, accumulation, processes)  # as sage.train.sft.run_sft decides
+    if processes == 1 or split is None:
+        who = (
+            "on one process"
+            if processes == 1
+            else (
+                f"on one process alone (model.sft.args' batch of {batch} row(s) per optimiser step cannot be "
+                f"shared by {processes} processes; the others wait)"
+            )
+        )
+        train_micro, train_accumulation, train_processes = micro, accumulation, 1
+    else:
+        who = f"on the job's {processes} processes"
+        (train_micro, train_accumulation), train_processes = split, processes
+    epochs = float(args.num_train_epochs)
+    if args.max_steps and args.max_steps > 0:
+        length = f"model.sft.args.max_steps={args.max_steps} optimiser steps"
+    else:
+        rows, why = sft_rows(cfg.model.sft, bool(cfg.model.chat))
+        if rows is None:
+            length = (
+                f"{epochs:g} epoch(s) at {batch} row(s) per optimiser step: {epochs / batch:g} steps per SFT "
+                f"row (rows unknown here: {why})"
+            )
+        else:
+            steps = sft_steps(rows, epochs, train_micro, train_accumulation, train_processes)
+            length = (
+                f"at most {steps:,} optimiser steps ({epochs:g} epoch(s) x {rows:,} rows at {batch} row(s) "
+                "per step, before the rows longer than model.sft.args.max_length tokens are dropped)"
+            )
+    return [
+        f"sft: the SFT stage trains {who}, {length}; every job that starts from it waits until it is built",
+        f"sft: build it first, as a job of its own: {sft_command(cfg)}",
+    ]
+
+
 # ---- warnings ----------------------------------------------------------------------------------------
 
 
@@ -598,6 +689,7 @@ class JobPlan:
     training: int | None
     evaluation: Evaluation
     base_key: str
+    sft_build: list[str]  # the line with the command that builds the job's SFT stage first; [] without one
 
 
 def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int, problems) -> JobPlan:
@@ -635,12 +727,14 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
     evaluation = evaluation_completions(cfg, problems)
     shown = "unknown" if training is None else f"{training:,}"
     lines.append(f"completions: training {shown} ({how}); evaluation {evaluation.how}")
+    sft = sft_lines(cfg, processes) if cfg.model.sft is not None else []
+    lines += sft[:1]
     base_key = json.dumps(
         [OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.eval, resolve=True)],
         sort_keys=True,
         default=str,
     )
-    return JobPlan(label, lines, fits, total, training, evaluation, base_key)
+    return JobPlan(label, lines, fits, total, training, evaluation, base_key, sft[1:])
 
 
 def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[str]:
@@ -716,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in plans:
             print(p.label + ":\n" + "\n".join(f"  {line}" for line in p.lines))
         print("\n".join(grid_summary(plans, processes, gpu_gib)))
+    # one command per distinct SFT stage, after the jobs that wait for it
+    for line in dict.fromkeys(line for p in plans for line in p.sft_build):
+        print(line)
     for line in cluster_warnings(sweep_cfg, sweep_cfg.hydra.launcher, len(plans), mounts):
         print(line)
     return 0 if all(p.fits for p in plans) else 1
