@@ -65,7 +65,7 @@ def paper_section_commands() -> list[list[str]]:
     """The task overrides of every sage-train / torchrun -m sage.train command of the README's "Paper scale"
     block (the Hydra and launcher overrides dropped: they do not choose the job's config)."""
     text = (REPO / "README.md").read_text()
-    section = text.split("### Paper scale", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    section = text.split("## Paper scale", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = []
     for line in section.splitlines():
         words = shlex.split(line, comments=True)
