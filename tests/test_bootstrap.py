@@ -484,7 +484,8 @@ def test_report_options_reference_seed_and_no_bootstrap(synth, capsys):
     assert "**Warning:**" not in md
     assert report.main([*argv, "--reference", "nope", "--seeds", "1,2"]) == 0
     err = capsys.readouterr().err
-    assert "note: no differences against 'nope': no trained row of that name (--reference)" in err
+    assert "note: no differences against 'nope': no trained row of that name (rows: " in err
+    assert "--reference picks one)" in err
     assert "warning: fewer than 5 training seeds for Table 1 methods: GRPO (2)," in err
     assert report.main([*argv, "--bootstrap", "0"]) == 0
     md = out.read_text()

@@ -561,7 +561,7 @@ def test_vllm_backend_serves_the_adapter_and_seeds_the_engine_not_the_requests(t
             "dtype": "bfloat16",
             "enable_lora": True,
             "max_lora_rank": 8,
-            "worker_extension_cls": "sage.eval.sampling.VllmSeeding",  # what "sage_reseed" calls
+            "worker_extension_cls": "sage.vllm_engine.VllmSeeding",  # what "sage_reseed" calls
             **device,
         }
     ]
@@ -602,15 +602,17 @@ def test_in_a_multi_process_gpu_run_each_vllm_engine_takes_its_own_gpu(monkeypat
     monkeypatch.setattr(distributed, "initialized", lambda: True)
     monkeypatch.setattr(distributed, "world_size", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    with sampling._own_gpu(1):
+    from sage.vllm_engine import own_gpu
+
+    with own_gpu(1):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with sampling._own_gpu(1):
+    with own_gpu(1):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     with pytest.raises(ev.ConfigError, match=r"vllm_tensor_parallel_size=2: in a run of 4 processes"):
-        with sampling._own_gpu(2):
+        with own_gpu(2):
             pass
 
 
