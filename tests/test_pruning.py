@@ -143,17 +143,20 @@ def study(tmp_path: Path, *args: str, objective: str = "pass_at_1/trained/arith_
 
 @pytest.mark.slow
 def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
-    # trial 0 samples the held-out problems at temperature 1 and sets the median at every step
+    # One study, one space: the held-out problems sampled at temperature 1 or 8 (near-uniform tokens). A
+    # study resumed with another fixed eval.temperature is another experiment, refused (issue 41), so the
+    # temperature is searched; the sampler's seed makes trial 0 draw 1 (it sets the median at every step)
+    # and trial 1 draw 8 (far below that median at step 1).
     r = study(
-        tmp_path, "hydra.sweeper.n_trials=1", "eval.temperature=1.0", f"hydra.sweep.dir={tmp_path / 'a'}"
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    # trial 1 samples them at temperature 8 (near-uniform tokens): far below that median at step 1
-    r = study(
-        tmp_path, "hydra.sweeper.n_trials=2", "eval.temperature=8.0", f"hydra.sweep.dir={tmp_path / 'b'}"
+        tmp_path,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=10",
+        "eval.temperature=choice(1.0,8.0)",
+        f"hydra.sweep.dir={tmp_path / 'b'}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     trials = optuna.load_study(study_name="pruning", storage=f"sqlite:///{tmp_path / 'study.db'}").trials
+    assert [t.params["eval.temperature"] for t in trials] == [1.0, 8.0], "the seed no longer orders them"
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
     assert sorted(trials[0].intermediate_values) == [1, 2, 3] and trials[0].intermediate_values[1] > 0
     assert trials[1].intermediate_values == {1: pytest.approx(0.0, abs=0.05)}
@@ -161,7 +164,7 @@ def test_a_trial_worse_than_the_median_is_pruned_at_its_first_report(tmp_path):
     metrics = (tmp_path / "b" / "pruning" / "1" / "metrics.json").read_text()  # <study>/<trial number>
     assert '"pruned_at_step": 1.0' in metrics and '"train/steps": 1.0' in metrics
     assert "pass_at_1/trained/arith_heldout" not in metrics
-    assert "trial 1: {'guide.ratio': 0.3} pruned at step 1" in r.stdout + r.stderr
+    assert "trial 1: {'guide.ratio': 0.3, 'eval.temperature': 8.0} pruned at step 1" in r.stdout + r.stderr
 
 
 def test_an_objective_no_trial_writes_is_one_line_before_any_trial(tmp_path):
