@@ -76,7 +76,10 @@ def run(tmp_path_factory):
             # at 0.7 about half of this model's samples of the problem are right, against a third at TRL's
             # 1.0: a group of 8 whose rewards all agree becomes a rare event rather than a few percent
             "trl.temperature=0.7",
-            f"trl.per_device_train_batch_size={GENERATIONS}",
+            # the group in two forward passes of 4: TRL's importance-sampling correction adds a log-prob
+            # pass over the rollouts, whose logits over the 151,936-token vocabulary are the memory peak
+            f"trl.per_device_train_batch_size={GENERATIONS // 2}",
+            "trl.gradient_accumulation_steps=2",
             f"model.max_completion_length={TRAIN_TOKENS}",
             f"eval.max_new_tokens={MAX_TOKENS}",
             "eval.n_samples=2",

@@ -217,8 +217,8 @@ class VllmRollout(RolloutCalls):
             log.info(
                 "rollout=vllm, process %d: %d %s hand-overs, median %.0f ms",
                 distributed.rank(),
-                "weight" if self.rank is None else "adapter",
                 len(self.handover_seconds),
+                "weight" if self.rank is None else "adapter",
                 1000 * statistics.median(self.handover_seconds),
             )
         llm, self.llm = self.llm, None
