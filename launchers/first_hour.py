@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 TINY = [
     "model=tiny_chat",
@@ -126,7 +127,8 @@ def main() -> None:
     ]
     env = dict(os.environ)
     if not any(o.startswith("output_dir=") for o in overrides):
-        overrides.append("output_dir=outputs/first_hour")
+        # a folder of its own each time: a finished run's folder would skip training and its evaluation
+        overrides.append(f"output_dir=outputs/first_hour/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     print("running:", " ".join(["torchrun", *torchrun[3:], "-m", "sage.train.main", *overrides]), flush=True)
     r = subprocess.run(
         [*torchrun, "-m", "sage.train.main", *overrides], capture_output=True, text=True, env=env
