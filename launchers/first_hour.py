@@ -22,7 +22,6 @@ command CI runs.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -125,14 +124,11 @@ def main() -> None:
         "--standalone",
         f"--nproc_per_node={args.processes}",
     ]
-    env = dict(os.environ)
     if not any(o.startswith("output_dir=") for o in overrides):
         # a folder of its own each time: a finished run's folder would skip training and its evaluation
         overrides.append(f"output_dir=outputs/first_hour/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     print("running:", " ".join(["torchrun", *torchrun[3:], "-m", "sage.train.main", *overrides]), flush=True)
-    r = subprocess.run(
-        [*torchrun, "-m", "sage.train.main", *overrides], capture_output=True, text=True, env=env
-    )
+    r = subprocess.run([*torchrun, "-m", "sage.train.main", *overrides], capture_output=True, text=True)
     log = r.stdout + r.stderr
     if r.returncode != 0:
         print(log[-6000:])

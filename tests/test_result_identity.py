@@ -14,6 +14,7 @@ import pytest
 import test_evaluate
 from omegaconf import OmegaConf
 from test_robustness import one_line_error, sage_train
+from test_run_folder import TINY, compose  # the smallest real run, and a composed config
 
 from sage.config import ConfigError
 from sage.run_folder import IDENTITY_FILE, check_identity
@@ -21,27 +22,6 @@ from sage.run_folder import IDENTITY_FILE, check_identity
 # the evaluator's fixtures (a tokenizer-only checkpoint, a fake sampler and pool) and its ROWS
 checkpoint, sampler = test_evaluate.checkpoint, test_evaluate.sampler
 ROWS, run = test_evaluate.ROWS, test_evaluate.run
-
-REPO = Path(__file__).resolve().parents[1]
-# A real testbed run, as small as it goes: 2 prompts x 2 completions a step, 4 held-out problems x 2 samples.
-TINY = [
-    "trl.per_device_train_batch_size=4",
-    "trl.num_generations=2",
-    "eval.n_samples=2",
-    "eval.ks=[1,2]",
-    "eval.limit=4",
-]
-
-
-def compose(*overrides: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from sage.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=list(overrides))
 
 
 def env_for(uri: str) -> dict[str, str]:
