@@ -193,8 +193,11 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 
 def job_folders(sweep_dir: Path) -> list[Path]:
-    """The sweep's job folders (each named by its job's overrides: sage.run_folder.job_dir)."""
-    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The sweep's job folders (each named by its job's overrides: sage.run_folder.job_dir), not the
+    grid's ``report`` folder that sage.grid.close_parent writes beside them."""
+    return sorted(
+        p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"
+    )
 
 
 def running_job(env: dict[str, str], sweep_dir: Path) -> str | None:
@@ -317,7 +320,8 @@ def test_typo_fails_before_submission(slurm_cluster, tmp_path):
     )
     assert rc != 0 and "sweep param guide.ratio: interval(0.5, 0.1) needs low < high" in log, log[-2000:]
     rc, log = sweep(slurm_cluster, *base, "hparams_search=tabel1", timeout=120)
-    assert rc != 0 and "hparams_search/tabel1" in log, log[-2000:]
+    assert rc != 0 and "hparams_search=tabel1: no such hparams_search option" in log, log[-2000:]
+    assert "did you mean hparams_search=table1?" in log, log[-2000:]
     assert not (tmp_path / "never" / ".submitit").exists()
 
 
