@@ -251,3 +251,14 @@ def test_a_small_run_on_the_testbed_model(tmp_path):
     assert run.data.tags["sage.kind"] == "guide_diagnostics"
     logged = {Path(f.path).name for f in client.list_artifacts(run_id, "guide_diagnostics")}
     assert logged == {"summary.md", "diagnostics.json", "completions.html"}
+
+
+def test_top_texts_by_hand():
+    texts = np.array([" Let", "2", " Let", "x", "2", "2"], dtype=object)
+    selected = np.array([True, True, True, False, False, False])
+    top = gd.top_texts(texts, selected, k=5)
+    assert top == [
+        {"text": " Let", "count": 2, "share": 2 / 3, "selected_rate": 1.0},
+        {"text": "2", "count": 1, "share": 1 / 3, "selected_rate": 1 / 3},
+    ]
+    assert gd.top_texts(texts, np.zeros(6, dtype=bool)) == []

@@ -222,6 +222,24 @@ def where_high(
     return out
 
 
+def top_texts(texts: np.ndarray, selected: np.ndarray, k: int = 15) -> list[dict[str, Any]]:
+    """The ``k`` most frequent token texts among the ``selected`` tokens: each with its count, its share of
+    the selected tokens and how often that text is selected wherever it occurs (P(selected | text))."""
+    chosen, counts = np.unique(texts[selected].astype(str), return_counts=True)
+    everywhere = dict(zip(*np.unique(texts.astype(str), return_counts=True), strict=True))
+    order = np.argsort(-counts, kind="stable")[:k]
+    n = int(selected.sum())
+    return [
+        {
+            "text": str(chosen[i]),
+            "count": int(counts[i]),
+            "share": float(counts[i] / n),
+            "selected_rate": float(counts[i] / everywhere[chosen[i]]),
+        }
+        for i in order
+    ]
+
+
 def q_summary(
     q: np.ndarray,
     categories: np.ndarray,
@@ -474,6 +492,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Tokens above each threshold: " + ", ".join(f"{n} {w[n]['tokens']}" for n in names) + ".",
+    ]
+    for n in names:
+        lines += ["", f"The most frequent tokens above {n} ({e['above'][n]['threshold']:.3f} nats):", ""]
+        lines += ["| token | count | share of those above | P(above \\| token) |", "|---|---|---|---|"]
+        for t in report["top_tokens"][n]:
+            shown = json.dumps(t["text"], ensure_ascii=False).replace("|", "\\|")
+            lines.append(f"| `{shown}` | {t['count']} | {t['share']:.3f} | {t['selected_rate']:.3f} |")
+    lines += [
         "",
         "## Each guide's q (training step 0: the policy is the reference)",
         "",
@@ -648,6 +674,8 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
         "where": where_high(categories, entropies, thresholds),
         "guides": {},
     }
+    texts = np.concatenate([np.array(x["texts"], dtype=object) for x in records])
+    report["top_tokens"] = {name: top_texts(texts, entropies > t) for name, t in thresholds.items()}
     for name, guide in guides.items():
         summary = q_summary(
             q_by_guide[name], categories, entropies, thresholds, getattr(guide, "q_max", None)
