@@ -42,17 +42,9 @@ def served_rank(rank: int) -> int:
     raise ConfigError(f"LoRA rank r={rank}: vLLM serves ranks up to {LORA_RANKS[-1]}")
 
 
-class VllmSeeding:
-    """Mixed into vLLM's workers (``worker_extension_cls``), so that ``collective_rpc("sage_reseed", ...)``
-    reseeds the generators that draw the sampling noise of every request without a seed of its own."""
-
-    def sage_reseed(self, seed: int) -> None:
-        from vllm.utils.torch_utils import set_random_seed
-
-        set_random_seed(seed)
-
-
-SEEDING = f"{VllmSeeding.__module__}.{VllmSeeding.__qualname__}"
+SEEDING = "sage.vllm_worker.VllmSeeding"
+"""vLLM's workers import it by this name (``worker_extension_cls``): a string, so that importing this
+module does not import vLLM."""
 
 
 def build_llm(
@@ -80,6 +72,9 @@ def build_llm(
         gc.collect()
         torch.cuda.empty_cache()
     else:
+        from sage import vllm_worker  # the CPU LoRA ops, for an engine that runs in this process
+
+        vllm_worker.install()
         device = {"enforce_eager": True, "gpu_memory_utilization": cpu_memory_utilization}
     with own_gpu(tensor_parallel_size), cpu_binding():
         return LLM(

@@ -561,7 +561,7 @@ def test_vllm_backend_serves_the_adapter_and_seeds_the_engine_not_the_requests(t
             "dtype": "bfloat16",
             "enable_lora": True,
             "max_lora_rank": 8,
-            "worker_extension_cls": "sage.vllm_engine.VllmSeeding",  # what "sage_reseed" calls
+            "worker_extension_cls": "sage.vllm_worker.VllmSeeding",  # what "sage_reseed" calls
             **device,
         }
     ]
