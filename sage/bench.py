@@ -482,6 +482,12 @@ def bench_vllm_seeding(repeats: int = VLLM_REPEATS) -> dict[str, float | str]:
     }
 
 
+def _others_cpu_seconds(own: list[psutil.Process]) -> float:
+    """CPU seconds the machine has been busy, bar those of the processes ``own``."""
+    busy = psutil.cpu_times()
+    return busy.user + busy.system + getattr(busy, "nice", 0.0) - _cpu_seconds(own)
+
+
 def _cpu_seconds(processes: list[psutil.Process]) -> float:
     total = 0.0
     for p in processes:
@@ -509,7 +515,14 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
     from sage.train.trainer import SageGRPOTrainer
     from sage.train.vllm_rollout import VllmRollout
 
-    times: dict[str, list[float]] = {"step": [], "rollout": [], "handover": [], "cpu_per_wall": []}
+    times: dict[str, list[float]] = {
+        "step": [],
+        "rollout": [],
+        "handover": [],
+        "cpu_per_wall": [],
+        "others_cpu_per_wall": [],
+    }
+    me, engine = psutil.Process(), []
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp,
@@ -541,14 +554,18 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
             rollout_func = VllmRollout(args, lora, dtype="float32", cpu_memory_utilization=0.3)
 
         class Steps(TrainerCallback):
+            """Each step's wall seconds, and the CPU seconds per wall second that processes other than this
+            one and its engine took meanwhile: a step that shared the cores is seen to have shared them."""
+
             def on_step_begin(self, args, state, control, **kwargs):
                 if not hasattr(self, "started"):
-                    self.started = time.perf_counter()
+                    self.started, self.others = time.perf_counter(), _others_cpu_seconds([me, *engine])
 
             def on_step_end(self, args, state, control, **kwargs):
-                now = time.perf_counter()
+                now, others = time.perf_counter(), _others_cpu_seconds([me, *engine])
                 times["step"].append(now - self.started)
-                self.started = now
+                times["others_cpu_per_wall"].append((others - self.others) / (now - self.started))
+                self.started, self.others = now, others
 
         before = {c.pid for c in psutil.Process().children(recursive=True)}
         trainer = SageGRPOTrainer(
@@ -562,8 +579,7 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
             callbacks=[Steps()],
             rollout_func=rollout_func,
         )
-        me = psutil.Process()
-        engine = [c for c in me.children(recursive=True) if c.pid not in before]  # vLLM's processes
+        engine += [c for c in me.children(recursive=True) if c.pid not in before]  # vLLM's processes
         generate = rollout_func.__call__ if rollout == "vllm" else trainer._generate_single_turn
 
         def timed(*a, **kw):
@@ -636,6 +652,7 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
         out[f"real_rollout_seconds_{backend}"] = round(m["rollout"], 1)
         out[f"real_rest_seconds_{backend}"] = round(rest, 1)
         out[f"real_rollout_cpu_per_wall_{backend}"] = round(m["cpu_per_wall"], 2)
+        out[f"real_step_others_cpu_per_wall_{backend}"] = round(m["others_cpu_per_wall"], 2)
     out["real_handover_seconds_vllm"] = round(medians["vllm"]["handover"], 3)
     out["real_rollout_hf_over_vllm"] = round(medians["hf"]["rollout"] / medians["vllm"]["rollout"], 2)
     out["real_step_hf_over_vllm"] = round(medians["hf"]["step"] / medians["vllm"]["step"], 2)
