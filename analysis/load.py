@@ -39,6 +39,7 @@ METHOD_NAMES = {
     "grpo_token": "GRPO + Token",
     "grpo_branch": "GRPO + Branch",
     "grpo_fork": "GRPO + fork oracle",
+    "grpo_fork_rare": "GRPO + rare-token oracle",
     "grpo_strong_kl": "GRPO, 1.4x beta",
     "bnpo": "BNPO w/o KL",
     "bnpo_branch": "BNPO + Branch",

@@ -331,6 +331,7 @@ def register_configs() -> None:
         ("guide", "base_token", schema_of(guides.TokenGuide, runtime=("schedule",), partial=True)),
         ("guide", "base_branch", schema_of(guides.BranchGuide)),
         ("guide", "base_fork", schema_of(guides.ForkGuide)),
+        ("guide", "base_fork_rare", schema_of(guides.RareForkGuide)),
         ("schedule", "base_constant", schema_of(schedules.ConstantSchedule)),
         (
             "schedule",
@@ -364,10 +365,14 @@ def validate(cfg: DictConfig) -> None:
             "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
         )
     world = OmegaConf.select(cfg, "model.source.world", default=None)
-    if cfg.guide._target_ == "sage.objective.guides.ForkGuide" and world != "fork":
+    fork_guides = {
+        "sage.objective.guides.ForkGuide": "fork",
+        "sage.objective.guides.RareForkGuide": "fork_rare",
+    }
+    if cfg.guide._target_ in fork_guides and world != "fork":
         raise ConfigError(
-            f"guide=fork acts at the strategy markers of the testbed's fork world; model.source.world is "
-            f"{world}: use model=tiny_fork"
+            f"guide={fork_guides[cfg.guide._target_]} acts at the strategy markers of the testbed's fork "
+            f"world; model.source.world is {world}: use model=tiny_fork"
         )
     if cfg.divergence._target_ == "sage.objective.divergences.SequenceKL" and cfg.trl.num_iterations != 1:
         raise ConfigError(

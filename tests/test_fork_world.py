@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from sage.config import ConfigError, register_configs, validate
 from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from sage.eval.analyses import strategy_mix, tier_figures
-from sage.objective.guides import BranchGuide, ForkGuide, branch_q
+from sage.objective.divergences import k3
+from sage.objective.guides import BranchGuide, ForkGuide, RareForkGuide, branch_q, rare_fork_q
 from sage.testbed.measure import fork_figures
 from sage.testbed.task import (
     CARRY,
@@ -195,6 +196,65 @@ def test_the_fork_guide_acts_at_the_fork_tokens_only():
     assert torch.allclose(q, torch.tensor([[1.0, 1.4, 1.0], [1.0, 1.0, 1.0]]))
     with pytest.raises(ValueError, match="model=tiny_fork"):
         ForkGuide()(logps=logps, ref_logps=logps, entropies=logps, mask=mask, step=0)
+
+
+def test_the_rare_fork_guide_acts_on_the_tokens_pi_ref_makes_rare_at_the_fork():
+    # reference probabilities of the sampled tokens; only row 0's positions 0-3 and row 1's 0 are fork tokens
+    p_ref = torch.tensor([[0.45, 0.05, 0.064, 0.066, 0.01], [0.05, 0.9, 0.02, 0.05, 0.05]])
+    fork = torch.tensor([[True, True, True, True, False], [True, False, False, False, True]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])  # row 1's last token is padding
+    q = RareForkGuide(q=4.0, p_max=0.065)(
+        logps=p_ref.log(), ref_logps=p_ref.log(), entropies=p_ref, mask=mask, step=0, fork=fork & mask.bool()
+    )
+    # 0.05 and 0.064 < 0.065 at a fork token: 4; 0.45, 0.066 at the fork and 0.01, 0.02 off it: 1; padding 1
+    assert torch.equal(q, torch.tensor([[1.0, 4.0, 4.0, 1.0, 1.0], [4.0, 1.0, 1.0, 1.0, 1.0]]))
+    # at p_max 0.5 every fork token of row 0 is rare (0.45 too); position 4 is not a fork token
+    assert torch.equal(rare_fork_q(p_ref.log(), fork, 2.5, 0.5)[0], torch.tensor([2.5, 2.5, 2.5, 2.5, 1.0]))
+    with pytest.raises(ValueError, match="model=tiny_fork"):
+        RareForkGuide()(logps=q, ref_logps=q, entropies=q, mask=mask, step=0)
+    with pytest.raises(ValueError, match="divergence=none"):
+        RareForkGuide()(logps=q, ref_logps=None, entropies=q, mask=mask, step=0, fork=fork)
+    with pytest.raises(ValueError, match="guide.p_max must be in"):
+        RareForkGuide(p_max=1.5)
+
+
+def test_k3_with_the_rare_fork_guide_tilts_the_fork_towards_the_rare_strategies():
+    """The expected per-token k3 gradient at the fork (the sampled token's weight pi(v) held fixed, as an
+    on-policy sample's is) has its zero at q pi_ref / sum(q pi_ref). By hand, FORK_PRIOR with q = 4 on its
+    two 0.05 strategies: (0.45, 0.2, 0.15, 0.1, 0.2, 0.2) / 1.3."""
+    prior = torch.tensor(FORK_PRIOR, dtype=torch.float64)
+    fork = torch.ones_like(prior, dtype=torch.bool)
+    q = rare_fork_q(prior.log(), fork, 4.0, 0.065)
+    logits = torch.zeros(6, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([logits], lr=2.0)
+    for _ in range(3000):
+        logp = logits.log_softmax(-1)
+        loss = (logp.exp().detach() * k3(logp, prior.log() + q.log())).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    expected = torch.tensor([0.45, 0.2, 0.15, 0.1, 0.2, 0.2], dtype=torch.float64) / 1.3
+    assert torch.allclose(logits.softmax(-1), expected, atol=1e-6)
+    assert dict(zip(FORK_STRATEGIES, q.tolist(), strict=True)) == {
+        "direct": 1.0,
+        "split": 1.0,
+        "cfirst": 1.0,
+        "double": 1.0,
+        "ctens": 4.0,
+        "round": 4.0,
+    }
+
+
+def test_guide_fork_rare_is_composed_and_needs_the_fork_world():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        ok = compose("train", overrides=["model=tiny_fork", "experiment=grpo_fork_rare"])
+        wrong = compose("train", overrides=["experiment=grpo_fork_rare"])
+    validate(ok)
+    assert (ok.guide.q, ok.guide.p_max, ok.method) == (4.0, 0.065, "grpo_fork_rare")
+    with pytest.raises(
+        ConfigError, match="guide=fork_rare acts at the strategy markers .*use model=tiny_fork"
+    ):
+        validate(wrong)
 
 
 def test_guide_fork_needs_the_fork_world_before_anything_runs():

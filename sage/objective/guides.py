@@ -12,7 +12,7 @@ draw different noise, and a micro-batch seen again (``num_iterations > 1``) gets
 
 Shapes: ``logps``, ``entropies``, ``mask`` and the returned ``q`` are all (B, T). ``fork`` (B, T), when
 the model's vocabulary has the testbed fork world's strategy markers, marks the tokens that choose a
-strategy; only the fork guide (a control, not a method) reads it.
+strategy; only the fork guides (controls, not methods) read it.
 """
 
 from __future__ import annotations
@@ -267,3 +267,45 @@ class ForkGuide:
         if fork is None:
             raise ValueError("guide=fork needs a model of the testbed's fork world (model=tiny_fork)")
         return torch.where(fork.bool() & mask.bool(), torch.full_like(logps, self.q), torch.ones_like(logps))
+
+
+def rare_fork_q(ref_logps: torch.Tensor, fork: torch.Tensor, q: float, p_max: float) -> torch.Tensor:
+    """q at the fork tokens pi_ref makes rare (pi_ref(v|h) < p_max), 1 elsewhere. The test is on the
+    sampled token's own reference probability, so q depends on the token chosen, not only on the
+    position: that is what tilts the per-position target of k3 (docs/anchors.md)."""
+    rare = fork.bool() & (ref_logps < math.log(p_max))  # (B, T)
+    return torch.where(rare, torch.full_like(ref_logps, q), torch.ones_like(ref_logps))
+
+
+@dataclass
+class RareForkGuide:
+    """A positive control, not a method (issue 42): q = ``q`` at the fork world's strategy tokens whose
+    reference probability is below ``p_max``, 1 elsewhere. Unlike ForkGuide it favours WHAT is chosen:
+    under per-token k3 the target at the fork becomes q(v) pi_ref(v) / sum_u q(u) pi_ref(u), tilted
+    towards the rare strategies; under ``divergence=sequence_kl`` it multiplies the completions that take
+    a rare strategy by q. The guide sees no token ids (the trainer passes only where the fork is), so
+    "rare" is read from pi_ref: with the fork world's prior (FORK_PRIOR: 0.45, 0.2, 0.15, 0.1, 0.05,
+    0.05) the default 0.065, between 0.05 and 0.1 on a log scale, selects ``ctens`` and ``round`` (the
+    rare strategy that solves tail problems). ``train/guide/active_frac_fork`` logs the share of fork
+    tokens it acts on, about 0.09 at the start if the base model keeps its prior."""
+
+    q: float = 4.0
+    p_max: float = 0.065
+
+    def __post_init__(self) -> None:
+        check_range("q", self.q, 1e-6)
+        check_range("p_max", self.p_max, 1e-9, 1.0)
+
+    def params(self, step: int) -> dict[str, float]:
+        return {"q": self.q, "p_max": self.p_max}
+
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
+        if fork is None:
+            raise ValueError("guide=fork_rare needs a model of the testbed's fork world (model=tiny_fork)")
+        if ref_logps is None:
+            raise ValueError(
+                "guide=fork_rare reads pi_ref's probabilities; divergence=none loads no reference"
+            )
+        return torch.where(mask.bool(), rare_fork_q(ref_logps.detach(), fork, self.q, self.p_max), 1.0)
