@@ -624,6 +624,8 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
             if not ids:
                 continue  # an empty solution has no token to measure
             entropy, logp = solution_statistics(model, p_ids, ids)
+            if (len(records) + 1) % 20 == 0:
+                log.info("entropies of %d solutions measured", len(records) + 1)
             texts, special = token_texts(tokenizer, ids)
             records.append(
                 {
