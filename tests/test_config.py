@@ -76,7 +76,7 @@ def test_every_group_has_options():
     assert {"reverse_kl", "none", "forward_kl", "sequence_kl", "reverse_kl_strong"} == set(
         options("divergence")
     )
-    assert {"none", "random", "token", "branch", "fork"} == set(options("guide"))
+    assert {"none", "random", "token", "branch", "fork", "fork_rare"} == set(options("guide"))
     assert {"testbed", "paper"} == set(options("trl"))
 
 
