@@ -208,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _, m = arm(runs, args.method, "share")
     _, ref = arm(runs, args.reference, "share")
+    if min(len(m), len(ref)) < 2:  # nothing measures an arm's seed noise: no interval, no power
+        print(
+            f"\nno power estimate: {args.method} has {len(m)} seed(s), {args.reference} {len(ref)}; "
+            "each arm needs 2"
+        )
+        return 1
     samples = runs[0].correct.shape[1]
     rng = np.random.default_rng(args.rng_seed)
     sds = (seed_sd(m), seed_sd(ref))
