@@ -85,7 +85,7 @@ def test_option_composes_and_binds(group, option, tmp_path):
     """Every option composes; its targets bind or build for real: TRL's GRPOConfig for the groups that
     set TRL's knobs, SFTConfig and LoraConfig for the models, the cheap objects of the objective."""
     extra = ["divergence=reverse_kl"] if group == "guide" else []
-    if (group, option) == ("guide", "fork"):
+    if (group, option) in {("guide", "fork"), ("guide", "fork_rare")}:
         extra.append("model=tiny_fork")  # the control acts at the fork world's strategy tokens
     cfg = cfg_for(f"{group}={option}", *extra)
     if group == "model":
