@@ -97,15 +97,20 @@ TABLE6_ARGS = -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMM
   tracking.experiment=testbed-table6 hydra.sweep.dir=$(REPRO)/table6
 # The fair test of SAGE (issue 22), `make reproduce-testbed` -> docs/results/testbed.md, on the fork world
 # (model=tiny_fork): every row of hparams_search=fork at 8 seeds, Table 1's methods (base, GRPO, GRPO w/o KL,
-# GRPO + Random, GRPO + Branch) and the two controls that bound what a guide of the paper's clamp can do there,
-# GRPO + fork oracle (q = 1.4 at the strategy tokens only) and GRPO with 1.4x beta. Each run is evaluated x 256
+# GRPO + Random, GRPO + Branch), the two controls that bound what a guide of the paper's clamp can do there,
+# GRPO + fork oracle (q = 1.4 at the strategy tokens only) and GRPO with 1.4x beta, and the positive control,
+# GRPO + rare-token oracle (guide=fork_rare, docs/results/positive_control.md). Each run is evaluated x 256
 # samples on held-out problems of every tier (pass@1: does GRPO do what RL does?) and, as a dataset of its own,
 # on held-out tail problems (those only the rare strategy solves), where the primary comparison lives.
-# The one primary comparison, declared here before the run: GRPO + Branch minus GRPO on the tail at pass@256.
+# The one primary comparison, declared here before the run (issue 42): GRPO + Branch minus GRPO on the rare
+# strategy's share of the tail's samples, the figure a guide at the fork acts on; its positive control, GRPO +
+# rare-token oracle minus GRPO on the same figure, passed its pilot (power 1.00 at 8 seeds). sage-report's
+# --primary takes pass@k only, so scripts/positive_control.py computes both, with sage-report's per-pair interval.
 FORK_SEEDS ?= 1,2,3,4,5,6,7,8
 FORK_TAIL ?= 100
 FORK_HELDOUT ?= 100
-FORK_PRIMARY = grpo_branch|arith_tail|256
+FORK_PRIMARY = --method grpo_branch --reference grpo
+FORK_CONTROL = --method grpo_fork_rare --reference grpo
 # The fork world's step: regime=anchored's beta with half the regime's learning rate. At the regime's own, GRPO's
 # training reward dipped deeper mid-run and its held-out pass@1 ended no higher than base's
 # (docs/results/fork_reading.md, "Why the learning rate is 1e-4"); RL that does not raise pass@1 is no
@@ -114,7 +119,7 @@ FORK_LR = 1e-4
 FORK_ARGS = -m hparams_search=fork model=tiny_fork seed=$(FORK_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
   trl.learning_rate=$(FORK_LR) eval.n_samples=256 eval.every_steps=50 eval.datasets.arith_heldout.n=$(FORK_HELDOUT) \
   eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=testbed-fork hydra.sweep.dir=$(REPRO)/fork
-FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --primary '$(FORK_PRIMARY)' --min-seeds 8 \
+FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --min-seeds 8 \
   --figures-dir $(RESULTS)/figures_fork --tables-dir $(RESULTS)/tables_fork
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64

@@ -172,8 +172,8 @@ def test_table4_trains_the_constant_rows_and_takes_the_cosine_rows_from_table1(t
 
 def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_path: Path) -> None:
     """`make reproduce-testbed` is issue 22's study: the fork world's base figures, its one grid (every row of
-    hparams_search=fork at 8 seeds, evaluated on the held-out set and its tail), the report with the primary
-    comparison declared in the Makefile, and testbed.md assembled from that report, the base model's figures
+    hparams_search=fork at 8 seeds, evaluated on the held-out set and its tail), the report (whose
+    declared primary, a rare share and not a pass@k, scripts/positive_control.py computes), and testbed.md assembled from that report, the base model's figures
     and the provenance, which quotes the command the grid ran."""
     repro, results = tmp_path / "repro", tmp_path / "results"
     where = [f"REPRO={repro}", f"RESULTS={results}"]
@@ -188,10 +188,10 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
     for expected in ("hparams_search=fork", "seed=1,2,3,4,5,6,7,8", "tracking.experiment=testbed-fork"):
         assert expected in grid, f"{expected} missing from: {grid}"
     assert "~eval.datasets" not in grid  # both datasets of eval=arith_fork: the held-out set and its tail
-    assert (
-        "sage.testbed.measure --model tiny_fork" in study
-        and "--primary 'grpo_branch|arith_tail|256'" in study
-    )
+    assert "sage.testbed.measure --model tiny_fork" in study and "--primary" not in study
+    assert "experiment: base,grpo,grpo_nokl,grpo_random,grpo_branch,grpo_fork,grpo_strong_kl,grpo_fork_rare" in (
+        REPO / "conf" / "hparams_search" / "fork.yaml"
+    ).read_text()  # the positive control is a row of the study
     (assemble,) = [ln for ln in lines if f"--out {results}/testbed.md" in ln]
     assert f"--include {results}/testbed_fork_base.md" in assemble and "--experiment testbed-fork" in assemble
 
