@@ -111,6 +111,7 @@ FORK_TAIL ?= 100
 FORK_HELDOUT ?= 100
 FORK_PRIMARY = --method grpo_branch --reference grpo
 FORK_CONTROL = --method grpo_fork_rare --reference grpo
+POSITIVE_CONTROL = $(PY) scripts/positive_control.py
 # The fork world's step: regime=anchored's beta with half the regime's learning rate. At the regime's own, GRPO's
 # training reward dipped deeper mid-run and its held-out pass@1 ended no higher than base's
 # (docs/results/fork_reading.md, "Why the learning rate is 1e-4"); RL that does not raise pass@1 is no
@@ -178,7 +179,13 @@ reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: 
 	  echo "- base: \`python -m sage.testbed.measure --model tiny_fork --markdown\`"; \
 	  echo "- the study: \`sage-train $(FORK_ARGS)\`"; \
 	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(REPRO)/time_fork.md 2>/dev/null ) > $(RESULTS)/testbed_fork_timings.md
-	$(SAGE_REPORT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_base.md \
+	( echo "## The declared primary and its positive control"; echo; \
+	  echo "The rare strategy's share of the tail's samples, declared in the Makefile before the run, with the per-pair"; \
+	  echo "interval of \`analysis/bootstrap.py\` (\`difference\`): \`python scripts/positive_control.py <sweep> --seeds 0\`"; \
+	  echo "with \`$(FORK_PRIMARY)\` (the primary) and \`$(FORK_CONTROL)\` (its positive control)."; \
+	  echo; echo '```'; $(POSITIVE_CONTROL) $(REPRO)/fork $(FORK_PRIMARY) --seeds 0 && echo && \
+	  $(POSITIVE_CONTROL) $(REPRO)/fork $(FORK_CONTROL) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
+	$(SAGE_REPORT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
 	  $(addprefix --include ,$(wildcard $(RESULTS)/fork_reading.md)) --include $(RESULTS)/testbed_fork_timings.md \
 	  --out $(RESULTS)/testbed.md
 

@@ -59,12 +59,15 @@ def problem_shares(completions: Sequence[Sequence[str]], strategy: str = RARE_ST
     return np.array([sum(classify_strategy(t) == strategy for t in c) / len(c) for c in completions])
 
 
-def load_run(folder: Path, dataset: str) -> Run | None:
-    """A finished run's final evaluation of ``dataset``; None if the folder holds none (a run cut short)."""
+def load_run(folder: Path, dataset: str, methods: Sequence[str] | None = None) -> Run | None:
+    """A finished run's final evaluation of ``dataset``; None if the folder holds none (a run cut short) or
+    its method is not one of ``methods`` (a study's other rows, whose completions are not read)."""
     cells = sorted((folder / "eval" / "trained" / dataset).glob("*_seed*/completions.json"))
     if not cells or not (folder / "config.yaml").is_file():
         return None
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
+    if methods is not None and cfg["method"] not in methods:
+        return None
     shares, correct, ids = [], [], None
     for c in cells:  # one cell per evaluation seed: their per-problem shares are averaged
         meta = json.loads((c.parent / "meta.json").read_text())
@@ -170,7 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reference", default="grpo")
     ap.add_argument("--dataset", default="arith_tail")
     ap.add_argument(
-        "--seeds", type=int, default=8, help="seeds per arm of the study whose power is estimated"
+        "--seeds",
+        type=int,
+        default=8,
+        help="seeds per arm of the study whose power is estimated; 0 for the differences alone (a "
+        "study's own comparison, which estimates no power)",
     )
     ap.add_argument("--sims", type=int, default=2000)
     ap.add_argument("--rng-seed", type=int, default=0)
@@ -180,9 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         r
         for s in args.sweeps
         for f in sorted(s.rglob("config.yaml"))
-        if (r := load_run(f.parent, args.dataset))
+        if (r := load_run(f.parent, args.dataset, (args.method, args.reference)))
     ]
-    runs = [r for r in runs if r.method in (args.method, args.reference)]
     if not runs:
         print(f"no finished run of {args.method} or {args.reference} under {args.sweeps}", file=sys.stderr)
         return 1
@@ -206,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"[{iv.lo:.4f}, {iv.hi:.4f}], p = {iv.p:.3g}"
         )
 
+    if args.seeds == 0:
+        return 0
     _, m = arm(runs, args.method, "share")
     _, ref = arm(runs, args.reference, "share")
     if min(len(m), len(ref)) < 2:  # nothing measures an arm's seed noise: no interval, no power

@@ -173,7 +173,8 @@ def test_table4_trains_the_constant_rows_and_takes_the_cosine_rows_from_table1(t
 def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_path: Path) -> None:
     """`make reproduce-testbed` is issue 22's study: the fork world's base figures, its one grid (every row of
     hparams_search=fork at 8 seeds, evaluated on the held-out set and its tail), the report (whose
-    declared primary, a rare share and not a pass@k, scripts/positive_control.py computes), and testbed.md assembled from that report, the base model's figures
+    declared primary, a rare share and not a pass@k, scripts/positive_control.py computes), and testbed.md
+    assembled from that report, the base model's figures
     and the provenance, which quotes the command the grid ran."""
     repro, results = tmp_path / "repro", tmp_path / "results"
     where = [f"REPRO={repro}", f"RESULTS={results}"]
@@ -189,16 +190,32 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
         assert expected in grid, f"{expected} missing from: {grid}"
     assert "~eval.datasets" not in grid  # both datasets of eval=arith_fork: the held-out set and its tail
     assert "sage.testbed.measure --model tiny_fork" in study and "--primary" not in study
-    assert "experiment: base,grpo,grpo_nokl,grpo_random,grpo_branch,grpo_fork,grpo_strong_kl,grpo_fork_rare" in (
-        REPO / "conf" / "hparams_search" / "fork.yaml"
-    ).read_text()  # the positive control is a row of the study
+    assert (
+        "experiment: base,grpo,grpo_nokl,grpo_random,grpo_branch,grpo_fork,grpo_strong_kl,grpo_fork_rare"
+        in (REPO / "conf" / "hparams_search" / "fork.yaml").read_text()
+    )  # the positive control is a row of the study
     (assemble,) = [ln for ln in lines if f"--out {results}/testbed.md" in ln]
     assert f"--include {results}/testbed_fork_base.md" in assemble and "--experiment testbed-fork" in assemble
+    assert f"--include {results}/testbed_fork_primary.md" in assemble
+    (primary,) = [ln for ln in lines if f"> {results}/testbed_fork_primary.md" in ln]
+    for arms in ("--method grpo_branch --reference grpo", "--method grpo_fork_rare --reference grpo"):
+        assert f"scripts/positive_control.py {repro}/fork {arms} --seeds 0" in primary, primary
 
     # the provenance alone (sage-report replaced by `true`): the commit and each grid's command as it ran
     repro.mkdir()
     (repro / "time_fork.md").write_text("| Fork world | 3 min |\n")
-    r = subprocess.run(["make", "-s", "-C", str(REPO), "reproduce-fork-report", *where, "SAGE_REPORT=true"])
+    r = subprocess.run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(REPO),
+            "reproduce-fork-report",
+            *where,
+            "SAGE_REPORT=true",
+            "POSITIVE_CONTROL=true",
+        ]
+    )
     assert r.returncode == 0
     provenance = (results / "testbed_fork_timings.md").read_text()
     head = subprocess.run(
