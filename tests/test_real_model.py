@@ -70,12 +70,12 @@ def run(tmp_path_factory):
             "data.problem_field=problem",
             "data.answer_field=answer",
             "rollout=vllm",  # training rollouts and evaluation through vLLM, as the paper commands run
-            # vLLM's CPU worker takes this share of the memory node. For this model it holds about 4.3 GiB
-            # before its KV cache (float32 weights, loaded then packed), and the KV cache must hold one sequence
-            # of its 32,768-token context (0.8 GiB); the training process beside it holds the policy
+            # vLLM's CPU worker takes this share of the memory node: the float32 weights (loaded, then
+            # packed) and a KV cache that holds one sequence of the model's whole context; the training
+            # process beside it holds the policy
             "eval.vllm_cpu_memory_utilization=0.25",
-            # the activations of 24 layers over the group's tokens, kept for the backward pass, were 5 of the
-            # training process's 13 GiB; recomputed layer by layer they are not kept (TRL's own default)
+            # the activations of every layer over the group's tokens, kept for the backward pass, were the
+            # training process's largest part; recomputed layer by layer they are not kept (TRL's own default)
             "trl.gradient_checkpointing=true",
             "trl.max_steps=1",
             "trl.warmup_steps=0",  # a warm-up of the only step would leave its learning rate at 0
