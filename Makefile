@@ -104,8 +104,9 @@ TABLE6_ARGS = -m hparams_search=table6_testbed seed=$(TABLE6_SEEDS) $(REPRO_COMM
 # on held-out tail problems (those only the rare strategy solves), where the primary comparison lives.
 # The one primary comparison, declared here before the run (issue 42): GRPO + Branch minus GRPO on the rare
 # strategy's share of the tail's samples, the figure a guide at the fork acts on; its positive control, GRPO +
-# rare-token oracle minus GRPO on the same figure, passed its pilot (power 1.00 at 8 seeds). sage-report's
-# --primary takes pass@k only, so scripts/positive_control.py computes both, with sage-report's per-pair interval.
+# rare-token oracle minus GRPO on the same figure, passed its pilot (docs/results/positive_control.md).
+# sage-report's --primary takes pass@k only, so scripts/positive_control.py computes both, with the per-pair
+# interval sage-report uses (analysis/bootstrap.py).
 FORK_SEEDS ?= 1,2,3,4,5,6,7,8
 FORK_TAIL ?= 100
 FORK_HELDOUT ?= 100
@@ -117,9 +118,10 @@ POSITIVE_CONTROL = $(PY) scripts/positive_control.py
 # (docs/results/fork_reading.md, "Why the learning rate is 1e-4"); RL that does not raise pass@1 is no
 # baseline to test a guide against.
 FORK_LR = 1e-4
+FORK_SWEEP = $(REPRO)/fork
 FORK_ARGS = -m hparams_search=fork model=tiny_fork seed=$(FORK_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
   trl.learning_rate=$(FORK_LR) eval.n_samples=256 eval.every_steps=50 eval.datasets.arith_heldout.n=$(FORK_HELDOUT) \
-  eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=testbed-fork hydra.sweep.dir=$(REPRO)/fork
+  eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=testbed-fork hydra.sweep.dir=$(FORK_SWEEP)
 FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --min-seeds 8 \
   --figures-dir $(RESULTS)/figures_fork --tables-dir $(RESULTS)/tables_fork
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
@@ -183,8 +185,8 @@ reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: 
 	  echo "The rare strategy's share of the tail's samples, declared in the Makefile before the run, with the per-pair"; \
 	  echo "interval of \`analysis/bootstrap.py\` (\`difference\`): \`python scripts/positive_control.py <sweep> --seeds 0\`"; \
 	  echo "with \`$(FORK_PRIMARY)\` (the primary) and \`$(FORK_CONTROL)\` (its positive control)."; \
-	  echo; echo '```'; $(POSITIVE_CONTROL) $(REPRO)/fork $(FORK_PRIMARY) --seeds 0 && echo && \
-	  $(POSITIVE_CONTROL) $(REPRO)/fork $(FORK_CONTROL) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
+	  echo; echo '```'; $(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_PRIMARY) --seeds 0 && echo && \
+	  $(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_CONTROL) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
 	$(SAGE_REPORT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
 	  $(addprefix --include ,$(wildcard $(RESULTS)/fork_reading.md)) --include $(RESULTS)/testbed_fork_timings.md \
 	  --out $(RESULTS)/testbed.md

@@ -174,8 +174,8 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
     """`make reproduce-testbed` is issue 22's study: the fork world's base figures, its one grid (every row of
     hparams_search=fork at 8 seeds, evaluated on the held-out set and its tail), the report (whose
     declared primary, a rare share and not a pass@k, scripts/positive_control.py computes), and testbed.md
-    assembled from that report, the base model's figures
-    and the provenance, which quotes the command the grid ran."""
+    assembled from that report, the base model's figures and the provenance, which quotes the command the
+    grid ran."""
     repro, results = tmp_path / "repro", tmp_path / "results"
     where = [f"REPRO={repro}", f"RESULTS={results}"]
     dry = subprocess.run(
