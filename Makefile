@@ -48,6 +48,7 @@ test-all: test  ## alias of test: nothing is skipped
 
 # `make first-hour`: the paper path at 1M parameters here (2 CPU processes); on a GPU node, e.g.
 # PROCESSES=8 ARGS="model=qwen2.5-math-7b trl=paper data=dapo_math_17k trl.gradient_accumulation_steps=8"
+# (the SFT stage shrunk too; the expected wall time printed first; ARGS="--plan-only ...": the plan alone)
 PROCESSES ?= 2
 first-hour: install  ## plan, then 2 rollout=vllm steps and a tiny evaluation under torchrun: times, peak memory, shares
 	$(PY) -m launchers.first_hour --processes $(PROCESSES) $(ARGS)
