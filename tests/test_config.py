@@ -87,6 +87,8 @@ def test_option_composes_and_binds(group, option, tmp_path):
     extra = ["divergence=reverse_kl"] if group == "guide" else []
     if (group, option) in {("guide", "fork"), ("guide", "fork_rare")}:
         extra.append("model=tiny_fork")  # the control acts at the fork world's strategy tokens
+    if (group, option) == ("rollout", "vllm"):
+        extra.append("model=tiny_sft")  # a LoRA model: vLLM cannot reload the default's tied output layer
     cfg = cfg_for(f"{group}={option}", *extra)
     if group == "model":
         bind(cfg.model.source)
@@ -375,6 +377,69 @@ def test_bad_eval_values_fail_at_config_time(override, message):
     """Before training, not when the evaluation after it starts (issue 14)."""
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(override, "eval.ks=[1]"))
+
+
+# rollout=vllm's refusals at composition (issue 46): the line sage.train.vllm_rollout.refusal writes, before
+# any model is built, instead of an engine traceback from vLLM's add_lora or a refusal once the model is built
+LM_HEAD = ("model=tiny_chat", "model.lora.target_modules=[q_proj,lm_head]", "rollout=vllm")
+TIED = ("model=tiny", "rollout=vllm")  # full fine-tuning of the testbed model, whose output layer is tied
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (LM_HEAD, ("model.lora.target_modules naming lm_head", "q_proj", "vllm_merged", "rollout=hf")),
+        (
+            ("model=tiny_sft", "model.lora.target_modules=[model.embed_tokens,v_proj]", "rollout=vllm"),
+            ("model.lora.target_modules naming model.embed_tokens", "rollout=vllm_merged"),
+        ),
+        (TIED, ("model.lora=null", "tie_word_embeddings", "rollout=vllm_merged", "model.lora")),
+        (
+            ("model=qwen2.5-3b-instruct", "model.dtype=float32", "rollout=vllm"),
+            ("model.lora=null", "tie_word_embeddings"),
+        ),
+    ],
+)
+def test_what_rollout_vllm_cannot_serve_is_refused_at_composition(overrides, named):
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_for(*overrides))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("rollout=vllm serves the policy to vLLM; ")
+    assert all(n in message for n in named), message
+
+
+def test_the_output_layer_and_the_embeddings_are_found_in_target_modules_as_peft_matches_them():
+    from sage.train.vllm_rollout import unserved_targets
+
+    assert unserved_targets(["q_proj", "lm_head", "v_proj"]) == ["lm_head"]
+    assert unserved_targets({"model.embed_tokens", "transformer.wte", "up_proj"}) == [
+        "model.embed_tokens",
+        "transformer.wte",
+    ]
+    assert unserved_targets(["q_proj", "k_proj", "lm_head_proj"]) == [] and unserved_targets(None) == []
+    assert unserved_targets("all-linear") == []  # peft leaves the output layer out
+    assert unserved_targets(r".*\.(q_proj|v_proj)") == [] and unserved_targets("(") == []
+    assert unserved_targets(r".*(lm_head|embed_tokens)") == ["lm_head", "embed_tokens"]
+
+
+def test_what_rollout_vllm_can_serve_passes_composition():
+    validate(cfg_for("model=tiny_chat", "rollout=vllm"))  # LoRA on the projections
+    validate(cfg_for(*LM_HEAD[:2]))  # rollout=hf trains LoRA on the output layer
+    validate(cfg_for("model=tiny", "rollout=hf"))
+    untied = "model.source.repo_id=Qwen/Qwen2.5-Math-7B"  # a stored architecture with an untied output layer
+    validate(cfg_for("model=qwen2.5-3b-instruct", untied, "model.dtype=float32", "rollout=vllm"))
+
+
+@pytest.mark.parametrize(
+    "overrides, key", [(LM_HEAD, "model.lora.target_modules"), (TIED, "model.lora=null")]
+)
+def test_rollout_vllm_refusals_are_one_line_on_the_command_line(tmp_path, overrides, key):
+    """The issue's commands: sage-train prints the one line and exits 2, nothing built."""
+    r = run_cli(*overrides, f"output_dir={tmp_path / 'out'}")
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    line = one_error_line(r)
+    assert line.startswith("error: rollout=vllm serves the policy to vLLM; ") and key in line
 
 
 def test_the_sequence_anchor_is_on_policy_only():

@@ -224,25 +224,30 @@ def plan(capsys, *overrides) -> tuple[int, str, str]:
 
 
 PAPER = ("trl=paper", "rollout=vllm", "data=dapo_math_17k", "gpu_gib=80")
+# the paper's fully fine-tuned models tie their output layer to their embeddings, which rollout=vllm refuses:
+# TRL's colocated engine, sent the merged weights, at the same share of the GPU
+FULL = ("trl=paper", "rollout=vllm_merged", "data=dapo_math_17k", "gpu_gib=80")
 
 
 def test_full_finetuning_of_the_3b_model_does_not_fit_at_the_default_vllm_share(capsys):
     """The issue's figures: 83 GiB on one GPU (a float32 reference, not bf16) and 95 GiB under torchrun (the
     DDP buckets); both exit 1 and say which vLLM share fits."""
-    code, out, _ = plan(capsys, "model=qwen2.5-3b-instruct", *PAPER)
+    code, out, _ = plan(capsys, "model=qwen2.5-3b-instruct", *FULL)
     assert code == 1 and "memory estimate per GPU: 83.5 GiB of 80.0 GiB, DOES NOT FIT" in out, out
     assert "reference 11.5" in out and "ddp_buckets 0.0" in out
     assert "fix: trl.vllm_gpu_memory_utilization=0.45 is the largest share" in out
     code, out, _ = plan(
-        capsys, "model=qwen2.5-3b-instruct", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
+        capsys, "model=qwen2.5-3b-instruct", *FULL, "processes=8", "trl.gradient_accumulation_steps=8"
     )
     assert code == 1 and "memory estimate per GPU: 94.9 GiB of 80.0 GiB, DOES NOT FIT" in out, out
     assert "ddp_buckets 11.5" in out and "fix: trl.vllm_gpu_memory_utilization=0.30 " in out
 
 
 # The README's paper commands: one process (64 accumulation steps) and torchrun on 8 GPUs (8 steps each);
-# full fine-tuning of the 3B model takes the vLLM share the README gives it.
+# full fine-tuning of the 3B model takes the vLLM share the README gives it. The full fine-tuning models run
+# with rollout=vllm_merged (FULL), the LoRA ones with rollout=vllm.
 README_SHARE = {"qwen2.5-3b-instruct": ("trl.vllm_gpu_memory_utilization=0.25",)}
+FULLY_FINE_TUNED = {"qwen2.5-math-1.5b-instruct", "qwen2.5-3b-instruct"}
 
 
 @pytest.mark.parametrize("processes", [1, 8])
@@ -260,7 +265,7 @@ def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion, processe
     code, out, err = plan(
         capsys,
         f"model={model}",
-        *PAPER,
+        *(FULL if model in FULLY_FINE_TUNED else PAPER),
         *README_SHARE.get(model, ()),
         f"processes={processes}",
         f"trl.gradient_accumulation_steps={accumulation}",
@@ -452,6 +457,106 @@ def test_unknown_model_without_config_is_one_line(capsys):
     assert code == 2, err[-2000:]
     assert err.strip().splitlines() == [err.strip().splitlines()[0]]  # one line
     assert err.startswith("error: model.source.repo_id='some/unknown-model'")
+
+
+def refusal_line(code: int, out: str, err: str) -> str:
+    """The plan's one line refusing a job, after asserting that it is all the command printed."""
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and err.startswith("error: "), out + err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        # the issue's example: LoRA on the output layer (vLLM's add_lora fails on it with an engine traceback)
+        (["model=tiny_chat", "model.lora.target_modules=[q_proj,lm_head]"], "naming lm_head"),
+        (["model=tiny_sft", "model.lora.target_modules=[q_proj,model.embed_tokens]"], "model.embed_tokens"),
+        (["model=tiny_sft", "model.lora.target_modules=.*embed_tokens"], "naming embed_tokens"),  # a regex
+    ],
+)
+def test_lora_on_the_output_layer_or_the_embeddings_under_rollout_vllm_is_one_line(capsys, overrides, named):
+    """vLLM serves adapters of the linear projections only: the plan refuses what sage-train refuses at
+    composition, naming the key, the module and what to use instead; rollout=hf trains it."""
+    line = refusal_line(*plan(capsys, *overrides, "rollout=vllm"))
+    assert line.startswith("error: rollout=vllm serves the policy to vLLM; it cannot with ")
+    assert "model.lora.target_modules" in line and named in line and "q_proj" in line
+    assert line.endswith("use rollout=vllm_merged (CUDA) or rollout=hf")
+    code, out, err = plan(capsys, *overrides, "rollout=hf")
+    assert code == 0 and "error" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=qwen2.5-3b-instruct", "trl=paper", "data=dapo_math_17k"],  # the README's 3B line as it was
+        ["model=qwen2.5-math-1.5b-instruct", "trl=paper", "data=dapo_math_17k"],
+        ["model=tiny"],  # the testbed's models tie their output layer too
+    ],
+)
+def test_full_finetuning_of_a_tied_model_under_rollout_vllm_is_one_line(capsys, overrides):
+    """vLLM 0.31 does not reload a tied output layer: refused before any model is built, with the key, the
+    tie and the alternatives named; rollout=vllm_merged (on CUDA) plans it."""
+    line = refusal_line(*plan(capsys, *overrides, "rollout=vllm"))
+    assert line.startswith("error: rollout=vllm serves the policy to vLLM; it cannot reload the weights")
+    assert "model.lora=null" in line and "tie_word_embeddings" in line and "rollout=vllm_merged" in line
+    code, _, err = plan(capsys, *overrides, "rollout=vllm_merged")
+    assert code in (0, 1) and "error" not in err, err[-2000:]
+
+
+def test_a_refused_job_of_a_grid_is_named(capsys):
+    line = refusal_line(*plan(capsys, "-m", "hparams_search=table1", "seed=1", "rollout=vllm"))
+    assert line.startswith("error: job 0 [experiment=base]: rollout=vllm serves the policy to vLLM; ")
+
+
+def test_the_plan_refuses_lora_on_lm_head_as_a_module_in_one_line():
+    r = prefork.run(
+        [
+            sys.executable,
+            "-m",
+            "sage.train.memory",
+            "model=tiny_chat",
+            "model.lora.target_modules=[q_proj,lm_head]",
+            "rollout=vllm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, r.stdout + r.stderr[-2000:]
+    assert "model.lora.target_modules" in lines[-1] and "lm_head" in lines[-1]
+
+
+def test_what_the_config_tells_of_a_tied_output_layer(tmp_path, monkeypatch):
+    """The paper's models by the stored config.json, a local folder by its own, the testbed's models always,
+    a GGUF package once converted; None where the config cannot tell (the built model is checked then)."""
+    from sage.models import GGUF_MARKER, gguf_folder
+    from sage.train.memory import ARCH_FILE, tied_embeddings
+
+    for repo, arch in json.loads(ARCH_FILE.read_text())["models"].items():
+        assert (
+            tied_embeddings({"_target_": "sage.models.from_hub", "repo_id": repo})
+            is arch["tie_word_embeddings"]
+        )
+    assert tied_embeddings({"_target_": "sage.models.from_hub", "repo_id": "some/unknown-model"}) is None
+    for tied in (True, False):
+        folder = tmp_path / f"local-{tied}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+        assert tied_embeddings({"repo_id": str(folder)}) is tied
+    (tmp_path / "silent").mkdir()
+    (tmp_path / "silent" / "config.json").write_text("{}")
+    assert tied_embeddings({"repo_id": str(tmp_path / "silent")}) is None
+    assert tied_embeddings({"_target_": "sage.testbed.model.build_tiny_model", "hidden_size": 8}) is True
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = {"_target_": "sage.models.from_package_gguf", "packages": [], "sha256": "ab" * 32}
+    assert tied_embeddings(gguf) is None  # not converted yet
+    converted = gguf_folder(gguf["sha256"])
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    (converted / GGUF_MARKER).write_text("{}")
+    assert tied_embeddings(gguf) is True
 
 
 def test_a_testbed_grid_is_expanded_as_hydras_basic_sweeper_does(capsys):

@@ -313,6 +313,8 @@ def args_for(tmp_path, **config):
         ({"modules_to_save": ["lm_head"]}, {}, "model.lora.modules_to_save=['lm_head']"),
         ({"bias": "all"}, {}, "model.lora.bias=all"),
         ({"r": 1024}, {}, "model.lora.r=1024"),
+        ({"target_modules": ["q_proj", "lm_head"]}, {}, "model.lora.target_modules naming lm_head"),
+        ({"target_modules": r".*\.(embed_tokens|q_proj)"}, {}, "target_modules naming embed_tokens"),
         ({}, {"use_vllm": True}, "trl.use_vllm=true"),
         ({}, {"vllm_tensor_parallel_size": 2}, "trl.vllm_tensor_parallel_size=2"),
     ],

@@ -18,7 +18,9 @@ total). A job with an SFT stage gets how long it trains, on how many processes (
 is trained by one process while the job's others, and every job that starts from it, wait), and the grid
 the command that builds it first as a job of its own. An RL step over several processes that does not take
 the completions its trl preset states is said in one line, with the key that keeps them. It exits 1 if a
-job does not fit, 2 on a bad argument.
+job does not fit, 2 on a bad argument or on a job sage-train would refuse at composition whatever the memory
+(``sage.config.check_rollout``: ``rollout=vllm`` with LoRA on the output layer or the embeddings, or full
+fine-tuning of a model whose output layer is tied to its embeddings), in one line.
 
 Processes per job: ``hydra.launcher.tasks_per_node`` x ``hydra.launcher.nodes`` under the submitit
 launchers, else ``processes=`` (default 1). The architecture is the model's ``config.json``: read from
@@ -280,6 +282,35 @@ def architecture(source: dict) -> tuple[Architecture, str]:
             f"(stored: {sorted(stored['models'])})"
         )
     return Architecture.from_config(stored["models"][repo]), f"stored copy of {repo}'s config.json"
+
+
+TESTBED_SOURCE = "sage.testbed.model.build_tiny_model"  # every testbed model ties (its make_model)
+
+
+def tied_embeddings(source) -> bool | None:
+    """Whether the model ``model.source`` names ties its output layer to its embeddings
+    (``tie_word_embeddings``), as far as the config tells before the model is built: a hub or local model by
+    its ``config.json`` (the paper's models by the stored copy, as :func:`architecture` reads them), a GGUF
+    package by its converted folder's, a testbed model always (``sage.testbed.model.make_model``); None
+    where it cannot tell (a hub model neither local nor stored, a GGUF file not converted yet, a config.json
+    that does not say), which ``VllmRollout.attach`` then checks on the built model."""
+    target = str(source.get("_target_", ""))
+    if target == TESTBED_SOURCE:
+        return True
+    repo = source.get("repo_id")
+    if repo:
+        local = Path(str(repo)) / "config.json"
+        if local.is_file():
+            return json.loads(local.read_text()).get("tie_word_embeddings")
+        stored = json.loads(ARCH_FILE.read_text())["models"].get(str(repo))
+        return None if stored is None else stored["tie_word_embeddings"]
+    if target == "sage.models.from_package_gguf" and source.get("sha256"):
+        from sage.models import GGUF_MARKER, gguf_folder
+
+        folder = gguf_folder(str(source.get("sha256")))
+        if (folder / GGUF_MARKER).is_file():
+            return json.loads((folder / "config.json").read_text()).get("tie_word_embeddings")
+    return None
 
 
 def training_dtype(cfg) -> str:
@@ -769,7 +800,7 @@ def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[st
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
-    from sage.config import register_configs
+    from sage.config import ConfigError, check_rollout, register_configs
     from sage.paths import CONF_DIR
 
     own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv))
@@ -799,6 +830,10 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = compose_train(hydra_args + job)
                 shown = " ".join(o for o in job if o.split("=", 1)[0] in varying)
                 label = f"job {number}" + (f" [{shown}]" if shown else "")
+                try:  # what sage-train refuses at composition, before any model is built
+                    check_rollout(cfg)
+                except ConfigError as e:
+                    raise ConfigError(f"{label}: {e}" if len(jobs) > 1 else str(e)) from e
                 problems_of = count_problems(cfg.eval, problems)
                 plans.append(plan_job(cfg, label, gpu_gib, prompt_tokens, processes, problems_of))
         except ValueError as e:

@@ -32,18 +32,23 @@ AsyncGRPOTrainer, prime-rl, SkyRL) send the adapter alone. So:
 - Full fine-tuning: the whole model goes to a version folder after each step and the engine reloads it in
   place (vLLM's ``reload_weights``, which packs the weights again as at load: what the CPU build's oneDNN
   weights need). A model whose output layer is tied to its embeddings is refused: vLLM 0.31 does not
-  reload the tied output layer. On a GPU cluster that is a write of the whole model per step:
+  reload the tied output layer (LoRA, or ``rollout=vllm_merged`` on CUDA, trains it). On a GPU cluster that
+  is a write of the whole model per step:
   ``rollout=vllm_merged`` (TRL's colocated engine, sent the weights in memory) is the faster choice there.
-- What vLLM cannot serve as an adapter (DoRA, ``lora_bias``, ``modules_to_save``, a bias, LoRA on
-  other than linear layers) is refused in one line when the rollout function is built or, for what only
-  the built model shows, before the first step. ``rollout=vllm_merged`` (TRL's colocated engine with the
-  out-of-place merged sync, CUDA only) is the explicit choice for those.
+- What vLLM cannot serve as an adapter (DoRA, ``lora_bias``, ``modules_to_save``, a bias, LoRA on the
+  output layer or the embeddings, which vLLM's ``add_lora`` rejects) and a tied output layer under full
+  fine-tuning are refused in one line (:func:`refusal`) when the config is composed (sage-train's
+  ``validate`` and ``python -m sage.train.memory``, through ``sage.config.check_rollout``), again when the
+  rollout function is built, and, for what only the built model shows (LoRA on other than linear layers, a
+  tie the config cannot tell), before the first step. ``rollout=vllm_merged`` (TRL's colocated engine with
+  the out-of-place merged sync, CUDA only) is the explicit choice for those.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -55,11 +60,40 @@ from sage.train.rollout import RolloutCalls, rollout_seed, runs
 log = logging.getLogger(__name__)
 
 SERVE = "rollout=vllm serves the policy to vLLM"
+# The output layer and the embeddings by the names transformers' architectures give them (Qwen2 and Llama:
+# lm_head, embed_tokens; GPT-2: wte, wpe; GPT-NeoX: embed_in, embed_out; Bloom: word_embeddings): vLLM loads
+# adapters of the decoder's linear projections only, and its add_lora fails on these with an engine traceback.
+NOT_SERVED = ("lm_head", "embed_tokens", "wte", "wpe", "embed_in", "embed_out", "word_embeddings")
+# where the architectures keep their embeddings, for a target_modules regex (peft matches whole module names)
+_PREFIXES = ("", "model.", "transformer.", "gpt_neox.")
+PROJECTIONS = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"  # Qwen2's and Llama's
+TIED = (
+    "it cannot reload the weights of a fully fine-tuned model (model.lora=null) whose output layer is "
+    "tied to its embeddings (tie_word_embeddings): use LoRA (model.lora), rollout=vllm_merged (CUDA), "
+    "rollout=fast or rollout=hf"
+)
+
+
+def unserved_targets(target_modules) -> list[str]:
+    """The modules of peft's ``target_modules`` that are the output layer or an embedding
+    (:data:`NOT_SERVED`). A list names modules as peft matches them (a name is a module's whole name or
+    its last parts); a string is a regular expression peft matches against whole module names
+    (``all-linear`` leaves the output layer out, as peft does); None is peft's default for the
+    architecture, its projections."""
+    if target_modules is None:
+        return []
+    if isinstance(target_modules, str):
+        try:
+            pattern = re.compile(target_modules)
+        except re.error:
+            return []  # peft refuses it when it builds the adapter
+        return [n for n in NOT_SERVED if any(pattern.fullmatch(p + n) for p in _PREFIXES)]
+    return sorted({str(t) for t in target_modules if str(t).rsplit(".", 1)[-1] in NOT_SERVED})
 
 
 def refused_lora(lora) -> list[str]:
-    """What in peft's LoraConfig ``lora`` vLLM cannot serve as an adapter (empty: it can; None: full
-    fine-tuning, served as whole weights)."""
+    """What in peft's LoraConfig ``lora`` (or the composed ``model.lora``, whose keys are the same) vLLM
+    cannot serve as an adapter (empty: it can; None: full fine-tuning, served as whole weights)."""
     if lora is None:
         return []
     from sage.vllm_engine import LORA_RANKS
@@ -75,11 +109,17 @@ def refused_lora(lora) -> list[str]:
         refused.append(f"model.lora.bias={lora.bias} (only none)")
     if getattr(lora, "lora_bias", False):
         refused.append("model.lora.lora_bias=true")
+    if unserved := unserved_targets(lora.target_modules):
+        refused.append(
+            f"model.lora.target_modules naming {', '.join(unserved)} (vLLM serves adapters of the linear "
+            f"projections only, such as {PROJECTIONS}; not the output layer or the embeddings)"
+        )
     return refused
 
 
 def refused_settings(args) -> list[str]:
-    """What in GRPOConfig ``args`` this rollout function does not do."""
+    """What in GRPOConfig ``args`` (or the composed ``trl``, whose keys are the same) this rollout function
+    does not do."""
     refused = []
     if args.use_vllm:
         refused.append("trl.use_vllm=true (TRL would build an engine of its own: rollout=vllm_merged)")
@@ -95,6 +135,20 @@ def refused_settings(args) -> list[str]:
     return refused
 
 
+def refusal(lora, args=None, tied: bool | None = None) -> str | None:
+    """The one line refusing what this rollout function cannot serve, or None: what :func:`refused_lora`
+    finds in ``lora`` (None: full fine-tuning) and :func:`refused_settings` in ``args`` (None: not checked),
+    then a fully fine-tuned model whose output layer is tied to its embeddings (``tied``; None: not known
+    yet, as before the model is built). sage-train's config validation, ``python -m sage.train.memory``,
+    the constructor and :meth:`VllmRollout.attach` all refuse with it."""
+    refused = refused_lora(lora) + ([] if args is None else refused_settings(args))
+    if refused:
+        return f"{SERVE}; it cannot with {'; '.join(refused)}: use rollout=vllm_merged (CUDA) or rollout=hf"
+    if lora is None and tied:
+        return f"{SERVE}; {TIED}"
+    return None
+
+
 class VllmRollout(RolloutCalls):
     """TRL's ``rollout_func`` for ``rollout=vllm``, and the ``vllm_generation`` TRL syncs; see the module
     docstring. Built from GRPOConfig ``args`` and peft's LoraConfig ``lora``; the engine is started by
@@ -103,9 +157,9 @@ class VllmRollout(RolloutCalls):
     def __init__(self, args, lora, dtype: str, cpu_memory_utilization: float) -> None:
         from sage.config import check_vllm
 
-        refused = refused_lora(lora) + refused_settings(args)
+        refused = refusal(lora, args)
         if refused:
-            raise ConfigError(f"{SERVE}; it cannot with {'; '.join(refused)}")
+            raise ConfigError(refused)
         check_vllm("rollout=vllm", str(dtype))
         super().__init__(args.seed)
         self.dtype = str(dtype)  # the engine's (model.dtype): full fine-tuning keeps float32 master weights
@@ -139,12 +193,9 @@ class VllmRollout(RolloutCalls):
         if self.rank is None and getattr(model.config, "tie_word_embeddings", False):
             # measured on vLLM 0.31's CPU build: after reload_weights the output layer of a tied model still
             # computes with the old embeddings (log-probs 2.5 nats off where projections and norms agree to
-            # 1e-5), so the engine would sample from another policy than the one trained
-            raise ConfigError(
-                f"{SERVE}; it cannot reload the weights of a fully fine-tuned model whose output layer is "
-                "tied to its embeddings (tie_word_embeddings): use LoRA (model.lora), rollout=vllm_merged "
-                "(CUDA), rollout=fast or rollout=hf"
-            )
+            # 1e-5), so the engine would sample from another policy than the one trained. The config's check
+            # (sage.config.check_rollout) refuses the models it knows; this is the guard for the rest.
+            raise ConfigError(refusal(None, tied=True))
         if self.rank is not None:
             try:
                 lora_layers(model)  # LoRA on nn.Linear, no variant, no lora_bias: W + s * B @ A per layer
