@@ -64,6 +64,9 @@ def build_llm(
     from vllm import LLM
 
     if torch.cuda.is_available():
+        # vLLM 0.31 runs CUDA engines on its V2 model runner, whose sampler is other code than the V1 one the
+        # CPU build runs (and sage.vllm_worker.use_tempered_logprobs patches): V1, the code the tests run
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         device = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,

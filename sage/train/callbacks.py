@@ -1,6 +1,7 @@
 """Training-time callbacks that are not TRL's: held-out accuracy every N optimiser steps (Figure 2:
 train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by each row's
-verifier through the run's grading pool; and Optuna pruning on those periodic metrics."""
+verifier through the run's grading pool; Optuna pruning on those periodic metrics; per-step timing lines; and
+a one-line warning when a vLLM rollout's importance-sampling ratio starts away from 1."""
 
 from __future__ import annotations
 
@@ -176,6 +177,35 @@ class StepTimes(TrainerCallback):
             wall - rollout - handover,
             *peak_memory(),
         )
+
+
+RATIO_KEY = "sampling/importance_sampling_ratio/mean"
+RATIO_RANGE = (0.9, 1.1)
+
+
+class FirstRatioCheck(TrainerCallback):
+    """Warns in one line when the importance-sampling ratio's mean at the first logged step of a vLLM
+    rollout leaves RATIO_RANGE. At the first step the engine and the trainer hold the same weights, so the
+    ratio measures only how differently they compute the same distribution: far from 1, the correction
+    rescales the policy gradient rather than correcting it (another dtype, another sampling distribution)."""
+
+    def __init__(self) -> None:
+        self.checked = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.checked or not logs or RATIO_KEY not in logs:
+            return
+        self.checked = True
+        ratio = logs[RATIO_KEY]
+        if not RATIO_RANGE[0] <= ratio <= RATIO_RANGE[1] and distributed.is_main():
+            log.warning(
+                "the importance-sampling ratio's mean at the first step is %.3f, outside [%g, %g]: the "
+                "engine "
+                "samples from another distribution than the trainer computes (dtype, sampling keys); "
+                "see docs/reference.md, 'The importance-sampling correction'",
+                ratio,
+                *RATIO_RANGE,
+            )
 
 
 def peak_memory() -> tuple[float, str]:

@@ -14,10 +14,12 @@ How it departs from a standard TRL GRPO script:
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import os
 import shutil
+import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -188,7 +190,29 @@ def rl(
         distributed.barrier()
     finally:  # an engine (its processes, its memory share) goes with the stage that uses it
         release_training_engine(trainer, environment)
+        held = [weakref.ref(trainer.model), weakref.ref(trainer.accelerator.unwrap_model(trainer.model))]
+        if trainer.optimizer is not None:
+            held.append(weakref.ref(trainer.optimizer))
+        del trainer
+    release_training_memory(held)
     return final
+
+
+def release_training_memory(held: list) -> None:
+    """After RL the policy, its optimiser and the trainer must be unreachable before the evaluation builds
+    an engine of its own on the same device: vLLM takes its share of what is free, and a 7B policy with
+    its optimiser state left behind would leave too little. ``held``: weak references to them. What is
+    still reachable is named in a warning (the evaluation may then be refused its memory)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    alive = [type(ref()).__name__ for ref in held if ref() is not None]
+    if alive:
+        log.warning("process %d: after RL, still reachable: %s", distributed.rank(), ", ".join(alive))
+    else:
+        log.info("process %d: the policy and its optimiser were released after RL", distributed.rank())
 
 
 def release_training_engine(trainer, environment_before: dict[str, str | None]) -> None:
@@ -215,10 +239,10 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rol
     if asked for (it hands its metrics to those callbacks; through the rollouts' engine if it has one)."""
     from sage.eval.sampling import SamplingSettings
     from sage.tracking import step_callback
-    from sage.train.callbacks import PeriodicEval, StepTimes
+    from sage.train.callbacks import FirstRatioCheck, PeriodicEval, StepTimes
 
     extra = [config_callback(name, node) for name, node in cfg.callbacks.items()]
-    cbs = ([step_callback(tracker)] if tracker is not None else []) + extra
+    cbs = ([step_callback(tracker)] if tracker is not None else []) + extra + [FirstRatioCheck()]
     if hasattr(rollout_func, "rollout_seconds"):  # an engine that times its rollouts: a line per step
         cbs.append(StepTimes(rollout_func))
     if cfg.eval.every_steps:

