@@ -206,3 +206,13 @@ reproduce-report:  ## docs/results/graded.md from the store: Table 1 with the ot
 	  --include $(RESULTS)/testbed_base.md --include $(RESULTS)/testbed_table3.md --include $(RESULTS)/testbed_table4.md \
 	  --include $(RESULTS)/testbed_table6.md --include $(RESULTS)/reading.md --include $(RESULTS)/testbed_timings.md \
 	  --out $(RESULTS)/graded.md
+
+# A lent GPU machine (CUDA torch, no network; docs/results/gpu_check.md): `make wheelhouse` here, carry
+# wheelhouse/ there, and `make gpu-check` there. GPU_PYTHON: that machine's Python (it holds the CUDA torch).
+GPU_PYTHON ?= python3
+.PHONY: wheelhouse gpu-check
+wheelhouse: install  ## the wheels and the testbed model a GPU machine without network lacks, into wheelhouse/
+	$(PY) -m launchers.wheelhouse --out wheelhouse $(ARGS)
+
+gpu-check:  ## on a GPU machine without network: install wheelhouse/, the CUDA path, the 7B-shape memory check
+	$(GPU_PYTHON) -m launchers.gpu_check --install $(ARGS)
