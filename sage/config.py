@@ -388,7 +388,6 @@ def validate(cfg: DictConfig) -> None:
                 "is visible (vLLM's CPU build packs its weights and cannot be sent new ones); a LoRA policy "
                 "trains with rollout=vllm here, full fine-tuning with rollout=fast or rollout=hf"
             )
-    check_rollout(cfg)
     t = cfg.trl
     # a NaN passes every comparison the divergences and TRL make (NaN <= 0 is false), then fails deep in
     # the trainer after the MLflow run has started
@@ -544,23 +543,6 @@ def check_vllm(what: str, dtype: str) -> None:
             f"model.dtype=bfloat16 with {what}: this CPU has no bfloat16 arithmetic (no AVX512-BF16 or "
             "AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
         )
-
-
-def check_rollout(cfg: DictConfig) -> None:
-    """``rollout=vllm``'s refusals that the composed config already shows, in the one line its rollout
-    function would raise later (``sage.train.vllm_rollout.refusal``, their one source): an adapter vLLM
-    cannot serve (LoRA on the output layer or the embeddings, DoRA, ``modules_to_save``, a bias, a rank above
-    vLLM's), a TRL setting it does not do, and full fine-tuning of a model whose output layer is tied to its
-    embeddings (``sage.train.memory.tied_embeddings``: the stored or local config.json, the testbed's models).
-    sage-train's ``validate`` and ``python -m sage.train.memory`` call it; imports no vLLM."""
-    if OmegaConf.select(cfg, "rollout_func._target_") != "sage.train.vllm_rollout.VllmRollout":
-        return
-    from sage.train.memory import tied_embeddings
-    from sage.train.vllm_rollout import refusal
-
-    refused = refusal(cfg.model.lora, cfg.trl, tied=tied_embeddings(cfg.model.source))
-    if refused:
-        raise ConfigError(refused)
 
 
 def check_backend(eval_cfg, dtype: str) -> None:

@@ -47,6 +47,18 @@ SEEDING = "sage.vllm_worker.VllmSeeding"
 module does not import vLLM."""
 
 
+def check_gpu_share(key: str, share: float, free: int, total: int) -> None:
+    """Refuse, in one line naming ``key``, a GPU share ``share`` of ``total`` bytes larger than what is
+    ``free``: vLLM asks for share x total and fails in its start-up (after the training has run) when that
+    is not free."""
+    if share * total > free:
+        gib = 2**30
+        raise ConfigError(
+            f"{key}={share:g} asks {share * total / gib:.1f} GiB of this GPU's {total / gib:.1f} GiB, but "
+            f"{free / gib:.1f} GiB are free: set {key} to at most {int(100 * free / total) / 100:g}"
+        )
+
+
 def build_llm(
     model: str,
     *,
@@ -56,11 +68,13 @@ def build_llm(
     gpu_memory_utilization: float,
     cpu_memory_utilization: float,
     tensor_parallel_size: int = 1,
+    share_key: str = "gpu_memory_utilization",
     **engine_args,
 ):
     """vLLM's ``LLM`` on ``model`` (a LoRA adapter of rank ``lora_rank`` servable, None: no LoRA), with the
-    seeding extension. On a GPU it takes ``gpu_memory_utilization`` of this process's own GPU; the CPU build
-    reserves ``cpu_memory_utilization`` of the memory node and runs eager, on this process's cores."""
+    seeding extension. On a GPU it takes ``gpu_memory_utilization`` (the config key ``share_key``) of this
+    process's own GPU, refused in one line when that much is not free; the CPU build reserves
+    ``cpu_memory_utilization`` of the memory node and runs eager, on this process's cores."""
     from vllm import LLM
 
     if torch.cuda.is_available():
@@ -74,6 +88,7 @@ def build_llm(
         # what the training stage left in the cache allocator is free memory to the engine
         gc.collect()
         torch.cuda.empty_cache()
+        check_gpu_share(share_key, gpu_memory_utilization, *torch.cuda.mem_get_info())  # this process's GPU
     else:
         from sage import vllm_worker  # the CPU LoRA ops, for an engine that runs in this process
 

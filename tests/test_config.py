@@ -402,7 +402,7 @@ TIED = ("model=tiny", "rollout=vllm")  # full fine-tuning of the testbed model, 
 )
 def test_what_rollout_vllm_cannot_serve_is_refused_at_composition(overrides, named):
     with pytest.raises(ConfigError) as e:
-        validate(cfg_for(*overrides))
+        validate_all(cfg_for(*overrides))
     message = str(e.value)
     assert "\n" not in message and message.startswith("rollout=vllm serves the policy to vLLM; ")
     assert all(n in message for n in named), message
@@ -422,12 +422,20 @@ def test_the_output_layer_and_the_embeddings_are_found_in_target_modules_as_peft
     assert unserved_targets(r".*(lm_head|embed_tokens)") == ["lm_head", "embed_tokens"]
 
 
+def validate_all(cfg) -> None:
+    """sage-train's checks at composition: validate, then rollout=vllm's (sage.train.memory.check_rollout)."""
+    from sage.train.memory import check_rollout
+
+    validate(cfg)
+    check_rollout(cfg)
+
+
 def test_what_rollout_vllm_can_serve_passes_composition():
-    validate(cfg_for("model=tiny_chat", "rollout=vllm"))  # LoRA on the projections
-    validate(cfg_for(*LM_HEAD[:2]))  # rollout=hf trains LoRA on the output layer
-    validate(cfg_for("model=tiny", "rollout=hf"))
+    validate_all(cfg_for("model=tiny_chat", "rollout=vllm"))  # LoRA on the projections
+    validate_all(cfg_for(*LM_HEAD[:2]))  # rollout=hf trains LoRA on the output layer
+    validate_all(cfg_for("model=tiny", "rollout=hf"))
     untied = "model.source.repo_id=Qwen/Qwen2.5-Math-7B"  # a stored architecture with an untied output layer
-    validate(cfg_for("model=qwen2.5-3b-instruct", untied, "model.dtype=float32", "rollout=vllm"))
+    validate_all(cfg_for("model=qwen2.5-3b-instruct", untied, "model.dtype=float32", "rollout=vllm"))
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,11 @@ def grpo_args(tmp_path, **config) -> GRPOConfig:
         use_bias_correction_kl=False,
         learning_rate=3e-2,  # large, so that two steps change what the policy decodes greedily
         lr_scheduler_type="constant",
-        temperature=0.8,  # the log-probs compared are those after temperature (vLLM's processed log-probs)
+        # trl=paper's min_p with a temperature other than 1 and top-p: the engine's log-probs must still be
+        # the trainer's (at the temperature, before truncation)
+        temperature=0.7,
+        top_p=0.9,
+        min_p=0.01,
         report_to="none",
         max_steps=2,
         save_strategy="no",
@@ -301,6 +305,79 @@ def test_two_hundred_adapter_swaps_keep_the_engines_memory_bounded(trained):
     )
 
 
+class Recorded(VllmRollout):
+    """VllmRollout that keeps what it returned, so that another trainer can train on the same completions."""
+
+    def __call__(self, prompts, trainer):
+        self.out = super().__call__(prompts, trainer)
+        return self.out
+
+
+class Replay:
+    """A rollout function that returns recorded completions, without log-probs: TRL's own path, with no
+    importance-sampling correction (as rollout=hf)."""
+
+    def __init__(self, out: dict) -> None:
+        self.out = out
+
+    def __call__(self, prompts, trainer):
+        assert trainer._tokenize_prompts(prompts)[0] == self.out["prompt_ids"]
+        return {k: self.out[k] for k in ("prompt_ids", "completion_ids")}
+
+
+def token_reward(completion_ids, **kwargs):
+    """Prefers one token: the share of a completion's tokens that are token 5."""
+    return [sum(t == 5 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def one_step_grad_norm(tmp, rollout, lora: LoraConfig) -> float:
+    from sage.objective.divergences import NoDivergence
+    from sage.objective.guides import NoGuide
+    from sage.testbed.model import build_tiny_model
+    from sage.testbed.task import arith_dataset
+    from sage.train.trainer import SageGRPOTrainer
+
+    args = grpo_args(tmp, beta=0.0, max_steps=1, temperature=1.0, top_p=1.0, min_p=0.01, max_grad_norm=1e9)
+    trainer = SageGRPOTrainer(
+        model=build_tiny_model(),
+        reward_funcs=[token_reward],
+        args=args,
+        train_dataset=arith_dataset(64, 0),
+        peft_config=lora,
+        divergence=NoDivergence(),
+        guide=NoGuide(),
+        rollout_func=rollout,
+    )
+    trainer.train()
+    return next(e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e), trainer
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_under_the_papers_sampling_the_policy_gradient_is_not_shrunk(tmp_path):
+    """trl=paper's sampling (min_p 0.01, temperature 1), divergence=none, a reward that prefers one token:
+    one step on vLLM's rollouts, with TRL's importance-sampling correction, moves the adapter as one step
+    on the same completions without the correction (the rollout=hf path) does: gradient norms within 10%.
+    With vLLM's processed log-probs (after min-p), every sequence's ratio was the product of (1 - mass
+    removed) over its tokens, which shrank the norm by that factor."""
+    from sage.train.trl_import import import_grpo_trainer
+
+    import_grpo_trainer(use_vllm=True)
+    lora = LoraConfig(**{**LORA, "r": 8})
+    args = grpo_args(tmp_path / "a", beta=0.0, temperature=1.0, top_p=1.0, min_p=0.01)
+    engine = Recorded(args, lora, dtype="float32", cpu_memory_utilization=0.1)
+    try:
+        corrected, trainer = one_step_grad_norm(tmp_path / "vllm", engine, lora)
+    finally:
+        engine.close()
+    key = "sampling/importance_sampling_ratio/mean"
+    ratio = next(e[key] for e in trainer.state.log_history if key in e)
+    plain, _ = one_step_grad_norm(tmp_path / "hf", Replay(engine.out), lora)
+    assert plain > 0, "the reward did not vary within a group: the check is void"
+    assert abs(corrected / plain - 1) < 0.10, (corrected, plain, ratio)
+    assert 0.95 <= ratio <= 1.05, ratio
+
+
 # ------------------------------------------------------------------------------ refused before any model
 def args_for(tmp_path, **config):
     return grpo_args(tmp_path, **config)
@@ -333,3 +410,22 @@ def test_a_servable_adapter_is_accepted_without_starting_an_engine(tmp_path):
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), model=SimpleNamespace(training=True))
     trainer.accelerator = SimpleNamespace(process_index=1)
     assert rollout.call_id(trainer) == (3, 1, 0) and rollout.call_id(trainer) == (3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("share", "free_gib", "refused"), [(0.9, 64.0, True), (0.5, 64.0, False), (0.8, 64.0, False)]
+)
+def test_an_engine_share_larger_than_what_is_free_is_refused_in_one_line(share, free_gib, refused):
+    """An 80 GiB GPU with 16 GiB held (a policy left behind): 0.9 of it is not free, 0.8 is."""
+    from sage.vllm_engine import check_gpu_share
+
+    gib = 2**30
+    if not refused:
+        check_gpu_share("eval.vllm_gpu_memory_utilization", share, int(free_gib * gib), 80 * gib)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_gpu_share("eval.vllm_gpu_memory_utilization", share, int(free_gib * gib), 80 * gib)
+    assert str(e.value) == (
+        "eval.vllm_gpu_memory_utilization=0.9 asks 72.0 GiB of this GPU's 80.0 GiB, but 64.0 GiB are free: "
+        "set eval.vllm_gpu_memory_utilization to at most 0.8"
+    )

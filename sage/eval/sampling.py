@@ -322,6 +322,7 @@ class VllmSampler(EngineSampler):
             gpu_memory_utilization=eval_cfg.vllm_gpu_memory_utilization,
             cpu_memory_utilization=eval_cfg.vllm_cpu_memory_utilization,
             tensor_parallel_size=eval_cfg.vllm_tensor_parallel_size,
+            share_key="eval.vllm_gpu_memory_utilization",
         )
         super().__init__(llm, lora)
 

@@ -333,7 +333,10 @@ def _set_aside(folder: Path, aside: Path, why: str) -> None:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
+    from sage.train.memory import check_rollout
+
     validate(cfg)
+    check_rollout(cfg)
     # Only the main process records (start_run below), so only it opens the store: N processes probing one
     # server (or one SQLite file) at once is load and lock contention for nothing. The launcher's rank
     # (RANK) says which process is main before the process group exists; if the store cannot be opened,

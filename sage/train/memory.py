@@ -19,7 +19,7 @@ is trained by one process while the job's others, and every job that starts from
 the command that builds it first as a job of its own. An RL step over several processes that does not take
 the completions its trl preset states is said in one line, with the key that keeps them. It exits 1 if a
 job does not fit, 2 on a bad argument or on a job sage-train would refuse at composition whatever the memory
-(``sage.config.check_rollout``: ``rollout=vllm`` with LoRA on the output layer or the embeddings, or full
+(``check_rollout``: ``rollout=vllm`` with LoRA on the output layer or the embeddings, or full
 fine-tuning of a model whose output layer is tied to its embeddings), in one line.
 
 Processes per job: ``hydra.launcher.tasks_per_node`` x ``hydra.launcher.nodes`` under the submitit
@@ -285,6 +285,27 @@ def architecture(source: dict) -> tuple[Architecture, str]:
 
 
 TESTBED_SOURCE = "sage.testbed.model.build_tiny_model"  # every testbed model ties (its make_model)
+
+
+def check_rollout(cfg) -> None:
+    """``rollout=vllm``'s refusals that the composed config already shows, in the one line its rollout
+    function would raise later (``sage.train.vllm_rollout.refusal``, their one source): an adapter vLLM
+    cannot serve (LoRA on the output layer or the embeddings, DoRA, ``modules_to_save``, a bias, a rank above
+    vLLM's), a TRL setting it does not do, and full fine-tuning of a model whose output layer is tied to its
+    embeddings (``sage.train.memory.tied_embeddings``: the stored or local config.json, the testbed's models).
+    sage-train (after ``sage.config.validate``) and ``python -m sage.train.memory`` call it; imports no vLLM
+    (here, not in sage.config, which the modules it reads import)."""
+    from omegaconf import OmegaConf
+
+    from sage.config import ConfigError
+
+    if OmegaConf.select(cfg, "rollout_func._target_") != "sage.train.vllm_rollout.VllmRollout":
+        return
+    from sage.train.vllm_rollout import refusal
+
+    refused = refusal(cfg.model.lora, cfg.trl, tied=tied_embeddings(cfg.model.source))
+    if refused:
+        raise ConfigError(refused)
 
 
 def tied_embeddings(source) -> bool | None:
@@ -800,7 +821,7 @@ def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[st
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
-    from sage.config import ConfigError, check_rollout, register_configs
+    from sage.config import ConfigError, register_configs
     from sage.paths import CONF_DIR
 
     own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv))

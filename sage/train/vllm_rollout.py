@@ -40,8 +40,8 @@ AsyncGRPOTrainer, prime-rl, SkyRL) send the adapter alone. So:
 - What vLLM cannot serve as an adapter (DoRA, ``lora_bias``, ``modules_to_save``, a bias, LoRA on the
   output layer or the embeddings, which vLLM's ``add_lora`` rejects) and a tied output layer under full
   fine-tuning are refused in one line (:func:`refusal`) when the config is composed (sage-train's
-  ``validate`` and ``python -m sage.train.memory``, through ``sage.config.check_rollout``), again when the
-  rollout function is built, and, for what only the built model shows (LoRA on other than linear layers, a
+  checks and ``python -m sage.train.memory``, through ``sage.train.memory.check_rollout``), again when
+  the rollout function is built, and, for what only the built model shows (LoRA on other than linear layers, a
   tie the config cannot tell), before the first step. ``rollout=vllm_merged`` (TRL's colocated engine with
   the out-of-place merged sync, CUDA only) is the explicit choice for those.
 """
@@ -196,7 +196,7 @@ class VllmRollout(RolloutCalls):
             # measured on vLLM 0.31's CPU build: after reload_weights the output layer of a tied model still
             # computes with the old embeddings (log-probs 2.5 nats off where projections and norms agree to
             # 1e-5), so the engine would sample from another policy than the one trained. The config's check
-            # (sage.config.check_rollout) refuses the models it knows; this is the guard for the rest.
+            # (sage.train.memory.check_rollout) refuses the models it knows; this is the guard for the rest.
             raise ConfigError(refusal(None, tied=True))
         if self.rank is not None:
             try:
@@ -214,6 +214,7 @@ class VllmRollout(RolloutCalls):
             lora_rank=self.rank,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_memory_utilization=self.cpu_memory_utilization,
+            share_key="trl.vllm_gpu_memory_utilization",
             max_model_len=self.max_model_len,
             max_loras=1,
             # replaced below by the log-probs the trainer computes (sage.vllm_worker.use_tempered_logprobs)
