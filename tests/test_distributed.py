@@ -126,6 +126,9 @@ def test_torchrun_two_processes_record_once(tmp_path):
                 shutil.rmtree(info.parent, ignore_errors=True)
 
 
+RATIO = "sampling/importance_sampling_ratio/mean"
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_torchrun_two_processes_with_vllm_rollouts_keep_their_group_and_shard_the_evaluation(tmp_path):
@@ -158,6 +161,12 @@ def test_torchrun_two_processes_with_vllm_rollouts_keep_their_group_and_shard_th
     for rank in (0, 1):
         # at start, before the rollouts of steps 0 and 1, and for the periodic evaluation at step 2
         assert f"rollout=vllm, process {rank}: 4 adapter hand-overs" in log, log[-5000:]
+        # each process's policy and optimiser are gone before its end-of-run evaluation's engine starts
+        assert f"process {rank}: the policy and its optimiser were released after RL" in log, log[-5000:]
+    # under the testbed's min_p 0.01 (trl=paper's), the importance-sampling ratio is 1 at every step
+    history = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    ratios = [e[RATIO] for e in history if RATIO in e]
+    assert len(ratios) == 2 and all(0.95 <= x <= 1.05 for x in ratios), ratios
     # the periodic evaluation (through the engines) and the evaluations of base and trained model (after
     # them): every cell sampled by both processes, one block each
     shares = re.findall(r"process (\d) of (\d): (\d+) of (\d+) blocks", log)

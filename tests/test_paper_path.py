@@ -26,6 +26,10 @@ SHRINK = [
     "eval.limit=8",
     "rollout=vllm",
     "eval.vllm_cpu_memory_utilization=0.1",
+    # the testbed's min_p 0.01 (trl=paper's) with top-p and a temperature other than 1: the engine's
+    # log-probs must still be the trainer's
+    "trl.top_p=0.9",
+    "trl.temperature=0.7",
 ]
 
 
@@ -61,3 +65,15 @@ def test_tiny_chat_goes_through_sft_lora_rl_and_evaluates_the_adapter(tmp_path):
     assert cells["arith_heldout"]["settings"]["backend"] == "vllm"  # the adapter went through vLLM
     # the training rollouts too: an adapter version handed over at start and before each step's rollouts
     assert "rollout=vllm, process 0: 3 adapter hand-overs" in r.stderr + r.stdout
+    # the importance-sampling correction compares like with like: a ratio of 1 at every step (it was about
+    # 0.83 when vLLM's log-probs were those after min-p's truncation)
+    ratios = [
+        e["sampling/importance_sampling_ratio/mean"]
+        for e in json.loads((out / "train_log.json").read_text())
+        if "sampling/importance_sampling_ratio/mean" in e
+    ]
+    assert len(ratios) == 2 and all(0.95 <= x <= 1.05 for x in ratios), ratios
+    # the evaluation's engine starts after the policy and its optimiser are gone
+    log = r.stderr + r.stdout
+    assert "process 0: the policy and its optimiser were released after RL" in log
+    assert log.index("released after RL") < log.index("| trained | arith_heldout |")

@@ -322,7 +322,8 @@ class Replay:
 
     def __call__(self, prompts, trainer):
         assert trainer._tokenize_prompts(prompts)[0] == self.out["prompt_ids"]
-        return {k: self.out[k] for k in ("prompt_ids", "completion_ids")}
+        # the log-probs are returned as TRL asks of a rollout function; without an engine TRL corrects nothing
+        return {k: self.out[k] for k in ("prompt_ids", "completion_ids", "logprobs")}
 
 
 def token_reward(completion_ids, **kwargs):

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import types
 import weakref
 from contextlib import nullcontext
 from pathlib import Path
@@ -198,6 +199,26 @@ def rl(
     return final
 
 
+def clear_finished_frames() -> None:
+    """Drop the locals of sage's finished function frames that something still holds. A library that keeps
+    an exception (vLLM keeps the ModuleNotFoundError of an optional import made while it builds an engine)
+    keeps its traceback's frames and, through their callers, every frame that was on the stack then:
+    ``SageGRPOTrainer.__init__`` among them, whose ``self`` is the trainer, with the policy and optimiser.
+    A finished frame is never run again; generator frames (suspended, not finished) are left alone."""
+    import inspect
+
+    root = str(Path(__file__).resolve().parents[1])
+    suspended = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+    for obj in gc.get_objects():
+        if not isinstance(obj, types.FrameType) or obj.f_code.co_flags & suspended:
+            continue
+        if obj.f_code.co_filename.startswith(root):
+            try:
+                obj.clear()
+            except RuntimeError:  # still executing: on the stack now
+                pass
+
+
 def release_training_memory(held: list) -> None:
     """After RL the policy, its optimiser and the trainer must be unreachable before the evaluation builds
     an engine of its own on the same device: vLLM takes its share of what is free, and a 7B policy with
@@ -205,6 +226,7 @@ def release_training_memory(held: list) -> None:
     still reachable is named in a warning (the evaluation may then be refused its memory)."""
     import torch
 
+    clear_finished_frames()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
