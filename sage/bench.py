@@ -616,8 +616,9 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
     """The real 0.5B model's GRPO step with each rollout backend, one after the other in this process, on
     the same prompts (the shortest level-1 MATH-500 problems), group size, length and seed; medians over the
     steps. ``rest`` is the step without its rollout and hand-over: the scoring, the log-prob passes,
-    backward and the optimiser. It is the same work for both but one pass: under rollout=vllm TRL's
-    importance-sampling correction scores the rollouts under the policy once more."""
+    backward and the optimiser. It is the same work for both: under rollout=vllm the importance-sampling
+    correction's ratio comes from the training forward (one generation batch per optimiser step), not from
+    TRL's extra log-prob pass over the rollouts (sage.train.trainer)."""
     import json as _json
 
     from datasets import Dataset

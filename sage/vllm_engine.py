@@ -18,9 +18,11 @@ scheduled in the same batches every time: the same seed gives the same samples.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,11 +109,35 @@ def build_llm(
         )
 
 
-def generate_block(llm, prompt_ids: list[list[int]], params, lora_request, seed: int) -> list:
+class _Finished:
+    """What vLLM's offline loop takes for a progress bar (``use_tqdm`` as a callable): it reports each
+    request's completions as the request finishes, which go to ``progress``."""
+
+    def __init__(self, progress, **_) -> None:
+        self.progress, self.n, self.postfix = progress, 0, ""
+        self.started = time.monotonic()
+
+    @property
+    def format_dict(self) -> dict:
+        return {"elapsed": max(time.monotonic() - self.started, 1e-9)}
+
+    def update(self, n: int) -> None:
+        self.n += n
+        self.progress(n)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def generate_block(llm, prompt_ids: list[list[int]], params, lora_request, seed: int, progress=None) -> list:
     """vLLM's outputs for ``prompt_ids`` under ``params`` (one SamplingParams for all, or one per prompt),
     one output per prompt, in their order, drawn
     with the engine reseeded by ``seed`` (see the module docstring). vLLM seeds numpy's generator too, which
-    takes 32 bits: a wider seed (the rollouts' 63-bit hashes) is folded to its low 32."""
+    takes 32 bits: a wider seed (the rollouts' 63-bit hashes) is folded to its low 32. ``progress(m)``, if
+    given, is told of the m completions of each request as it finishes: a long block shows its progress."""
     llm.collective_rpc("sage_reseed", args=(seed % 2**32,))
     # a cached prefix would change how the block's prompts are batched
     if not llm.reset_prefix_cache():
@@ -124,7 +150,8 @@ def generate_block(llm, prompt_ids: list[list[int]], params, lora_request, seed:
             lora_request=lora_request,
             use_tqdm=False,
         )
-    outputs = llm.wait_for_completion(use_tqdm=False)  # in the order they were enqueued
+    bar = False if progress is None else functools.partial(_Finished, progress)
+    outputs = llm.wait_for_completion(use_tqdm=bar)  # in the order they were enqueued
     if [list(out.prompt_token_ids) for out in outputs] != prompt_ids:
         raise RuntimeError("vLLM returned other requests than the block's, or in another order")
     return outputs

@@ -430,3 +430,20 @@ def test_an_engine_share_larger_than_what_is_free_is_refused_in_one_line(share, 
         "eval.vllm_gpu_memory_utilization=0.9 asks 72.0 GiB of this GPU's 80.0 GiB, but 64.0 GiB are free: "
         "set eval.vllm_gpu_memory_utilization to at most 0.8"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_block_reports_its_progress_as_each_prompts_samples_finish(trained):
+    """generate_block's progress hears of each request's completions as it finishes, not once per block:
+    a long evaluation block shows its progress."""
+    from vllm import SamplingParams
+
+    from sage.vllm_engine import generate_block
+
+    trainer, rollout = trained
+    prompts = trainer._tokenize_prompts([r["prompt"] for r in trainer.train_dataset.select(range(6))])[0]
+    heard: list[int] = []
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8)
+    outputs = generate_block(rollout.llm, prompts, params, rollout.request, seed=1, progress=heard.append)
+    assert len(outputs) == 6 and heard == [3] * 6

@@ -280,20 +280,16 @@ class EngineSampler(Sampler):
         settings: list[SamplingSettings],
         progress: Callable[[int], None] | None = None,
     ) -> list[Samples]:
-        out = []
-        for prompt_ids, s in zip(blocks, settings, strict=True):
-            out.append(self._sample(prompt_ids, s))
-            if progress is not None:  # one engine call per block: its samples are done at once
-                progress(len(prompt_ids) * s.n_samples)
-        return out
+        # the engine reports each prompt's samples as they finish, within a block
+        return [self._sample(ids, s, progress) for ids, s in zip(blocks, settings, strict=True)]
 
-    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings) -> Samples:
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, progress=None) -> Samples:
         from vllm import SamplingParams
 
         params = SamplingParams(
             n=s.n_samples, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens
         )
-        outputs = generate_block(self.llm, prompt_ids, params, self.lora, s.seed)
+        outputs = generate_block(self.llm, prompt_ids, params, self.lora, s.seed, progress)
         completions = [[o.text for o in out.outputs] for out in outputs]
         return Samples(completions, sum(len(o.token_ids) for out in outputs for o in out.outputs))
 
