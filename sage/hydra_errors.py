@@ -45,6 +45,31 @@ def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
         composed()
 
 
+def quote_paths(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """``argv`` with each ``<key>=<path>`` of ``keys`` quoted for Hydra where its override grammar cannot read
+    the path as written: a grid's job folder (``experiment=grpo_branch,seed=1/final``) holds ``=``, which
+    Hydra refuses in a value, and ``,``, which it reads as a sweep. A value already quoted, or one in Hydra's
+    own syntax (a list, a dict, a sweep function), is left as it is, and so is a ``,`` in a path that does
+    not exist without an ``=``: that is a sweep over paths (``checkpoint=a/final,b/final`` under ``-m``)."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") in keys and _unreadable(value):
+            quote = "'" if "'" not in value else '"'
+            arg = f"{key}={quote}{value}{quote}"
+        out.append(arg)
+    return out
+
+
+def _unreadable(value: str) -> bool:
+    """Whether Hydra's grammar fails on (or splits) this path, and quoting it reads it whole."""
+    if not value or value[0] in "'\"[{(" or re.match(r"\w+\(", value):
+        return False
+    if ("'" in value and '"' in value) or value.endswith("\\"):
+        return False  # no quote keeps it whole: Hydra's own report
+    return "=" in value or (any(c in value for c in ",[]{}()") and Path(value).exists())
+
+
 def composed() -> None:
     """Composition is over: Hydra reports the run's own failures its usual way again."""
     if os.environ.pop(_SET_BY_US, None):

@@ -771,3 +771,40 @@ def test_a_lora_adapter_is_merged_onto_its_base_and_evaluated(tmp_path):
     saved = json.loads((adapter / "eval" / "results.json").read_text())
     assert saved["checkpoint"] == str(adapter.resolve())
     assert saved["datasets"]["arith_heldout"]["n_problems"] == 4
+
+
+GRID_JOB = "experiment=grpo_branch,seed=1,trl.max_steps=20"  # a grid's job folder: Hydra's = and , in a path
+
+
+def test_a_grid_jobs_folder_is_evaluated_as_written(tmp_path):
+    """Issue 47: ``sage-eval checkpoint=<grid job folder>/final`` was a 42-line Hydra traceback (``=`` is
+    no value character of Hydra's grammar, ``,`` a sweep); the path as the grid printed it now works."""
+    from sage.testbed.model import build_tiny_model
+
+    final = tmp_path / GRID_JOB / "final"
+    shutil.copytree(build_tiny_model(), final)
+    tiny = ["eval.limit=1", "eval.n_samples=1", "eval.ks=[1]", "eval.max_new_tokens=4"]
+    r = sage_eval(f"checkpoint={final}", *tiny, "tracking.enabled=false")
+    assert "| final | arith_heldout |" in r.stdout
+    assert json.loads((final / "eval" / "results.json").read_text())["checkpoint"] == str(final)
+
+
+def test_a_missing_grid_jobs_folder_is_one_line(tmp_path):
+    """Where the folder is not there, the line is sage-eval's own, naming the path as typed."""
+    missing = tmp_path / GRID_JOB / "final"
+    r = sage_eval(f"checkpoint={missing}", check=False)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert lines[-1] == f"error: checkpoint={missing} is not a folder; for a hub model leave checkpoint unset"
+
+
+def test_only_paths_hydra_cannot_read_are_quoted(tmp_path):
+    from sage.hydra_errors import quote_paths
+
+    keys = ("checkpoint",)
+    (tmp_path / "a,b").mkdir()
+    assert quote_paths([f"checkpoint=/x/{GRID_JOB}/final"], keys) == [f"checkpoint='/x/{GRID_JOB}/final'"]
+    assert quote_paths([f"checkpoint={tmp_path}/a,b"], keys) == [f"checkpoint='{tmp_path}/a,b'"]
+    assert quote_paths(["checkpoint=/x/it's=1"], keys) == ['checkpoint="/x/it\'s=1"']
+    kept = ["checkpoint=a/final,b/final", "checkpoint='x=1'", "checkpoint=choice(a,b)", "eval.ks=[1,2]"]
+    assert quote_paths(kept, keys) == kept  # a sweep over paths, quoted already, Hydra's syntax, other keys

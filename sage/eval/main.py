@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,8 +193,10 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     reap_on_exit()  # a killed run's vLLM engine processes die with it
     register_evaluate_configs()
-    from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
+    from sage.hydra_errors import quote_paths, run_app  # composition errors as one line, like every other
 
+    # a grid's job folder as it prints (experiment=grpo_branch,seed=1/final) is taken as written
+    sys.argv[1:] = quote_paths(sys.argv[1:], ("checkpoint", "output_dir", "eval.perplexity_base"))
     run_app(_hydra_main, CONF_DIR)
 
 
