@@ -332,6 +332,7 @@ def register_configs() -> None:
         ("guide", "base_branch", schema_of(guides.BranchGuide)),
         ("guide", "base_fork", schema_of(guides.ForkGuide)),
         ("guide", "base_fork_rare", schema_of(guides.RareForkGuide)),
+        ("guide", "base_archer", schema_of(guides.ArcherGuide)),
         ("schedule", "base_constant", schema_of(schedules.ConstantSchedule)),
         (
             "schedule",

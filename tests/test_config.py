@@ -76,7 +76,7 @@ def test_every_group_has_options():
     assert {"reverse_kl", "none", "forward_kl", "sequence_kl", "reverse_kl_strong"} == set(
         options("divergence")
     )
-    assert {"none", "random", "token", "branch", "fork", "fork_rare"} == set(options("guide"))
+    assert {"none", "random", "token", "branch", "fork", "fork_rare", "archer"} == set(options("guide"))
     assert {"testbed", "paper"} == set(options("trl"))
 
 
@@ -319,6 +319,17 @@ def test_data_file_with_missing_field_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     line = last_line(r.stderr)
     assert str(bad) in line and "row 1" in line and "'solution'" in line
+
+
+def test_archer_experiment_is_grpo_with_the_archer_guide_under_k3():
+    cfg = cfg_for("experiment=grpo_archer")
+    assert cfg.guide._target_ == "sage.objective.guides.ArcherGuide" and cfg.method == "grpo_archer"
+    assert cfg.divergence._target_ == "sage.objective.divergences.ReverseKL" and cfg.divergence.beta > 0
+    g = cfg.guide
+    assert (g.quantile, g.threshold, g.level, g.q_high, g.q_low) == (0.8, None, "response", 0.0, 1.0)
+    validate(cfg)
+    with pytest.raises(ConfigCompositionException):  # a typed schema: an unknown level fails at composition
+        cfg_for("guide=archer", "guide.level=token")
 
 
 def test_branch_threshold_default_follows_the_model():

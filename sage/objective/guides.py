@@ -309,3 +309,124 @@ class RareForkGuide:
                 "guide=fork_rare reads pi_ref's probabilities; divergence=none loads no reference"
             )
         return torch.where(mask.bool(), rare_fork_q(ref_logps.detach(), fork, self.q, self.p_max), 1.0)
+
+
+EntropyLevel = Literal["response", "batch"]
+
+
+def high_entropy(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    quantile: float,
+    threshold: float | None,
+    level: EntropyLevel,
+) -> torch.Tensor:
+    """Archer's token split: (B, T) True at the unmasked tokens whose entropy is strictly above the cut.
+
+    The cut is ``threshold`` (nats) when it is set; otherwise the ``quantile`` of the unmasked entropies
+    (linear interpolation, torch's and numpy's default), taken over each completion (``level='response'``,
+    one cut per row: Archer's code, ``torch.nanquantile(..., dim=-1)``) or over the whole micro-batch the
+    guide is handed (``level='batch'``). Strictly above, as Archer's code (``entropy > q``): tokens tied at
+    the cut, a constant completion and a one-token completion are all low-entropy, so a completion of
+    zero-entropy tokens keeps its anchor. Masked tokens take no part in the quantile and are never high."""
+    valid = mask.bool()
+    h = entropies.detach()
+    if h.dtype not in (torch.float32, torch.float64):  # quantile needs a full-precision float
+        h = h.float()
+    if threshold is not None:
+        return valid & (h > threshold)
+    if level == "response":
+        # a row with no valid token gets a NaN cut, and nothing compares above NaN
+        cut = torch.nanquantile(h.masked_fill(~valid, float("nan")), quantile, dim=1, keepdim=True)  # (B, 1)
+    elif level == "batch":
+        if not valid.any():
+            return valid
+        cut = torch.quantile(h[valid], quantile)  # the valid tokens only: quantile's input has a size limit
+    else:
+        raise ValueError(f"guide.level must be 'response' or 'batch' (got {level!r})")
+    return valid & (h > cut)
+
+
+# exp of a float32 log-ratio stays a normal number within +-80 nats, so log(exp(x)) gives x back
+RELEASE_LOG_RATIO = 80.0
+
+
+@dataclass
+class ArcherGuide:
+    """Archer (arXiv 2507.15778, "Stabilizing Knowledge, Promoting Reasoning: Dual-Token Constraints for
+    RLVR") as a guide: q_t = ``q_high`` at high-entropy ("reasoning") tokens, ``q_low`` at the others
+    ("knowledge"), the split by ``high_entropy``: the ``quantile`` (0.8: the top 20 % are high) of each
+    completion's entropies by default, or of the micro-batch's (``level='batch'``), or a fixed
+    ``threshold`` in nats, which when set replaces the quantile. Archer itself thresholds each response at
+    its own 0.8-quantile (response level; its code, ``token_entropy_quantile=0.8``).
+
+    What q does to the anchor. With k3 (``divergence=reverse_kl``) the trainer's term at a token is
+    k3(log pi, log pi_ref + log q_t). For a q_t that does not depend on the sampled token (it depends on the
+    position's entropy only), its on-policy expected gradient with respect to that position's logits z is
+
+        E_v~pi[(1 - q_t pi_ref(v)/pi(v)) grad_z log pi(v)] = -q_t sum_v pi_ref(v) (e_v - pi)
+                                                           = q_t (pi - pi_ref)
+
+    (docs/anchors.md): the pull towards pi_ref itself, multiplied by q_t, i.e. beta_t = beta * q_t (the
+    cut is a quantile over the completion, later tokens included, so this takes the split as given). Archer
+    puts beta on low-entropy tokens and no KL on high-entropy ones (its ``high_entropy_kl_loss_scale_coef``
+    is 0), so ``q_low`` = 1 and ``q_high`` = 0. A scalar q of 0 has no log, and a small one is not "no
+    KL": the expected pull is q (pi - pi_ref), but each sampled token's gradient (1 - q pi_ref/pi) grad log pi
+    tends to grad log pi, a zero-mean noise of beta per token, and the value grows as -log q. So
+    ``q_high = 0`` means the token's anchor is the policy itself: q_t = pi(y_t) / pi_ref(y_t) from the
+    detached log-probs, so log(q_t pi_ref) = stopgrad(log pi), d = 0, and k3's value and gradient,
+    (1 - e^d) grad log pi, are 0 at that token for every sample, not only on average (the same under
+    ``divergence.estimator=k2`` and ``importance_weighted``; under ``forward_kl`` the value is 0 and the
+    gradient a zero-mean -grad log pi; under ``sequence_kl`` the token drops out of the completion's
+    log-ratio). That q depends on the token, and the logged ``guide/q_mean`` then includes
+    pi/pi_ref at the high-entropy tokens: exactly 1 wherever the policy is still its reference. Beyond
+    +-80 nats of log-ratio (``RELEASE_LOG_RATIO``) the ratio is clamped to stay finite in float32, and the
+    release is no longer exact there. A positive ``q_high`` is a per-position strength (weakened below 1).
+
+    Archer's code (token-mean aggregation) averages the low-entropy KL over the low-entropy tokens only,
+    about 1/0.8 = 1.25 times the per-token weight of a mean over all tokens; ``q_low = 1.25`` reproduces
+    that, the default 1 keeps the run's beta there, as the paper's text states it.
+
+    Against Branch: Branch raises q (pulls harder towards pi_ref) where the entropy is high, Archer
+    lowers it there and keeps (or raises) it elsewhere: opposite hypotheses about the same tokens.
+
+    Not done: Archer's dual clip (epsilon 0.2 at low-entropy tokens, 0.5 at high-entropy ones). TRL 1.16's
+    loss takes scalar epsilon_low/epsilon_high inside ``_compute_loss``, and per-token ranges would mean
+    copying that loss, so the run's ``trl.epsilon`` / ``trl.epsilon_high`` apply to every token."""
+
+    quantile: float = 0.8
+    threshold: float | None = None
+    level: EntropyLevel = "response"
+    q_high: float = 0.0
+    q_low: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.quantile) and 0.0 < self.quantile < 1.0):
+            raise ValueError(f"guide.quantile must be in (0, 1) (got {self.quantile})")
+        if self.threshold is not None:
+            check_range("threshold", self.threshold, 0.0)  # an entropy in nats
+        if self.level not in ("response", "batch"):
+            raise ValueError(f"guide.level must be 'response' or 'batch' (got {self.level!r})")
+        if self.q_high != 0.0:  # 0 is the release (the anchor is the policy itself); else a strength
+            check_range("q_high", self.q_high, 1e-6)
+        check_range("q_low", self.q_low, 1e-6)
+
+    def params(self, step: int) -> dict[str, float]:
+        cut = {"quantile": self.quantile} if self.threshold is None else {"threshold": self.threshold}
+        return {**cut, "q_high": self.q_high, "q_low": self.q_low}
+
+    def __call__(
+        self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
+    ):
+        high = high_entropy(entropies, mask, self.quantile, self.threshold, self.level)  # (B, T)
+        if self.q_high == 0.0:
+            if ref_logps is None:
+                raise ValueError(
+                    "guide=archer with q_high=0 reads pi_ref's log-probs; divergence=none loads none"
+                )
+            log_ratio = (logps.detach() - ref_logps.detach()).clamp(-RELEASE_LOG_RATIO, RELEASE_LOG_RATIO)
+            at_high = torch.exp(log_ratio)
+        else:
+            at_high = torch.full_like(logps, self.q_high)
+        q = torch.where(high, at_high, torch.full_like(logps, self.q_low))
+        return torch.where(mask.bool(), q, torch.ones_like(q))
