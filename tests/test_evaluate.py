@@ -808,3 +808,38 @@ def test_only_paths_hydra_cannot_read_are_quoted(tmp_path):
     assert quote_paths(["checkpoint=/x/it's=1"], keys) == ['checkpoint="/x/it\'s=1"']
     kept = ["checkpoint=a/final,b/final", "checkpoint='x=1'", "checkpoint=choice(a,b)", "eval.ks=[1,2]"]
     assert quote_paths(kept, keys) == kept  # a sweep over paths, quoted already, Hydra's syntax, other keys
+
+
+def test_a_prompt_longer_than_the_models_context_is_one_line_naming_file_and_row(tmp_path):
+    """Issue 47: a problem longer than the model's context went to the sampler, which allocates a (prompt x
+    prompt) mask (a 1 MB problem: 250 GB). Every prompt is checked first; the line names file and row."""
+    data = tmp_path / "math500.jsonl"
+    rows = [{"unique_id": "short", "problem": "1+1?", "answer": "2"}]
+    rows.append({"unique_id": "long", "problem": "12+34 " * 100, "answer": "0"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAGE_MATH_DATA": str(tmp_path)}
+    out = tmp_path / "out"
+    r = prefork.run(
+        [sys.executable, "-m", "sage.eval", "eval=math500", "tracking.enabled=false", f"output_dir={out}"],
+        timeout=600,
+        env=env,
+    )
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert lines[-1].startswith(f"error: eval.datasets.math500: {data}: row 2: its prompt is "), lines[-1]
+    assert "context of 128 positions" in lines[-1] and "max_new_tokens=64" in lines[-1]
+    assert not list(out.rglob("correct.npy"))  # nothing sampled
+
+
+def test_sage_trains_evaluation_checks_every_prompt_before_any_sampling(sampler, tmp_path):
+    """evaluate_model (sage-train's end-of-run and sage-eval's evaluation) refuses a prompt past the
+    context before it opens a sampler; a row with no file (the testbed's) is named by position and id."""
+    from sage.config import ConfigError
+    from sage.testbed.model import build_tiny_model
+
+    rows = {"heldout": [ROWS["a"][0], {**ROWS["a"][0], "id": "long", "problem": "1+2 " * 200}]}
+    with pytest.raises(
+        ConfigError, match=r"^eval\.datasets\.heldout: row 2 \(id 'long'\): its prompt is \d+ "
+    ):
+        run(build_tiny_model(), tmp_path / "res", rows=rows)
+    assert sampler.opened == 0

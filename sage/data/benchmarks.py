@@ -60,6 +60,14 @@ def math_data(file: str) -> str:
     return str(path)
 
 
+class SourcedRow(dict):
+    """A row that knows where it was read (``where``: ``<file or hub id>: row <n>``), for a message about it
+    later (a prompt longer than the model's context). The attribute is no part of the row's contents: the
+    keys and digests made of rows do not change."""
+
+    where: str = ""
+
+
 class BenchmarkUnavailable(RuntimeError):
     """A hub dataset could not be loaded (no network, no access, unknown id). Never replaced silently by
     something else: an evaluation on the wrong data is worse than no evaluation."""
@@ -277,9 +285,11 @@ def load_benchmark(
             if not spec.keep(raw):
                 continue
             try:
-                out.append(_to_row(spec, raw, prefix))
+                row = SourcedRow(_to_row(spec, raw, prefix))
             except _RowProblem as problem:
                 raise ValueError(f"{label}: row {number}: {problem}") from None
+            row.where = f"{label}: row {number}"
+            out.append(row)
     _check_unique_ids(name, out)
     return out if limit is None else out[:limit]
 

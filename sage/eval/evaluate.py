@@ -234,6 +234,48 @@ def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
     return rows
 
 
+def context_length(checkpoint: Checkpoint) -> int | None:
+    """The positions the model reads (its config's ``max_position_embeddings``, or the older names of it);
+    None where its config says none."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(checkpoint.base)
+    except (OSError, ValueError):
+        return None
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompt_lengths(
+    checkpoint: Checkpoint, tokenizer, rows_by_dataset: dict[str, list[dict]], chat: bool, max_new_tokens: int
+) -> None:
+    """Every prompt and its ``max_new_tokens`` fit the model's context, checked before any sampling: a
+    longer one is one line naming its file and row, where the sampler would have tried to allocate its
+    (prompt x prompt) attention mask (a 1 MB problem: 250 GB) or run past the positions it was trained on."""
+    context = context_length(checkpoint)
+    if context is None:
+        return
+    room = context - max_new_tokens
+    if room < 1:
+        raise ConfigError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of "
+            f"{context} positions ({checkpoint.base}: max_position_embeddings); lower eval.max_new_tokens"
+        )
+    for name, rows in rows_by_dataset.items():
+        for i, (row, ids) in enumerate(zip(rows, tokenize_prompts(tokenizer, rows, chat), strict=True)):
+            if len(ids) > room:
+                where = getattr(row, "where", "") or f"row {i + 1} (id {row['id']!r})"
+                raise ConfigError(
+                    f"eval.datasets.{name}: {where}: its prompt is {len(ids)} tokens; with max_new_tokens="
+                    f"{max_new_tokens} the model's context of {context} positions ({checkpoint.base}: "
+                    f"max_position_embeddings) holds a prompt of at most {room}; shorten or drop that problem"
+                )
+
+
 def evaluate_model(
     model_path: str,
     rows_by_dataset: dict[str, list[dict]],
@@ -262,6 +304,7 @@ def evaluate_model(
     check_backend(eval_cfg, dtype)
     checkpoint = Checkpoint.resolve(model_path)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
+    check_prompt_lengths(checkpoint, tokenizer, rows_by_dataset, chat, max_new_tokens)
     main = distributed.is_main()
     identity = {
         "template": template_fingerprint(tokenizer, chat),

@@ -68,9 +68,11 @@ def register_evaluate_configs() -> None:
 
 def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Per dataset, pass@k at eval.ks (mean and std over seeds); prints the table, writes results.json."""
+    from transformers import AutoTokenizer
+
     from sage.eval.analyses import log_analyses
-    from sage.eval.checkpoint import check_checkpoint_folder, check_prompt_format
-    from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
+    from sage.eval.checkpoint import Checkpoint, check_checkpoint_folder, check_prompt_format
+    from sage.eval.evaluate import check_prompt_lengths, evaluate_model, format_table, load_eval_rows
 
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.
@@ -95,6 +97,9 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         check_output_dir(default_dir, key="output_dir (default <checkpoint>/eval)")
     results_dir = Path(cfg.output_dir).resolve() if cfg.output_dir else default_dir
     max_new_tokens = cfg.eval.max_new_tokens or cfg.model.max_completion_length
+    checkpoint = Checkpoint.resolve(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
+    check_prompt_lengths(checkpoint, tokenizer, rows, cfg.model.chat, max_new_tokens)
     key = settings_key(cfg, model_path, rows, max_new_tokens)
     # A checkpoint folder is held for reading until its results are written: an extension of its run that
     # moves it to final-step-N/ meanwhile waits (sage.run_folder.reading).
