@@ -327,8 +327,9 @@ class Replay:
 
 
 def token_reward(completion_ids, **kwargs):
-    """Prefers one token: the share of a completion's tokens that are token 5."""
-    return [sum(t == 5 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+    """Prefers some tokens: the share of a completion's tokens whose id is even (frequent enough in the
+    testbed model's samples that the rewards of a group differ)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def one_step_grad_norm(tmp, rollout, lora: LoraConfig) -> float:
@@ -356,7 +357,7 @@ def one_step_grad_norm(tmp, rollout, lora: LoraConfig) -> float:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_under_the_papers_sampling_the_policy_gradient_is_not_shrunk(tmp_path):
-    """trl=paper's sampling (min_p 0.01, temperature 1), divergence=none, a reward that prefers one token:
+    """trl=paper's sampling (min_p 0.01, temperature 1), divergence=none, a reward that prefers some tokens:
     one step on vLLM's rollouts, with TRL's importance-sampling correction, moves the adapter as one step
     on the same completions without the correction (the rollout=hf path) does: gradient norms within 10%.
     With vLLM's processed log-probs (after min-p), every sequence's ratio was the product of (1 - mass
