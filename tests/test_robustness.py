@@ -325,6 +325,38 @@ def test_an_empty_benchmark_file_is_one_line_before_training(tmp_path):
     assert only_hydra_files(tmp_path / "a")
 
 
+NOT_UTF8 = (
+    "byte 0xe9 (at byte {at} of the file) is not UTF-8 (invalid continuation byte); save the file as UTF-8"
+)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_a_byte_that_is_not_utf8_in_a_benchmark_file_is_one_line_naming_file_and_row(suffix, tmp_path):
+    """Issue 47: Python's decoding error named neither the file nor the row."""
+    rows = [
+        b'{"id": 1, "problem": "1+1?", "answer": "2"}',
+        b'{"id": 2, "problem": "caf\xe9?", "answer": "3"}',
+    ]
+    data = tmp_path / f"aime24.{suffix}"
+    data.write_bytes(b"\n".join(rows) + b"\n" if suffix == "jsonl" else b"[" + b",\n".join(rows) + b"]")
+    at = data.read_bytes().index(b"\xe9")
+    r = sage_eval("eval=aime24", f"eval.datasets.aime24.source={data}", "tracking.enabled=false")
+    expected = f"{data}: row 2: {NOT_UTF8.format(at=at)}"
+    assert one_line_error(r) == f"error: sage.data.benchmarks.load_benchmark: {expected}"
+
+
+def test_a_byte_that_is_not_utf8_in_a_training_data_file_is_one_line_naming_file_and_row(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b'{"prompt": "1+1", "solution": "2"}\n{"prompt": "caf\xe9", "solution": "2"}\n')
+    at = data.read_bytes().index(b"\xe9")
+    r = sage_train(
+        "data=dapo_math_17k", f"data.source={data}", f"output_dir={tmp_path / 'a'}", "tracking.enabled=false"
+    )
+    expected = f"{data}: row 2: {NOT_UTF8.format(at=at)}"
+    assert one_line_error(r) == f"error: sage.data.datasets.math_prompts: {expected}"
+    assert only_hydra_files(tmp_path / "a")
+
+
 # ---------------------------------------------------------------------------------------- item 9: noise
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):

@@ -167,21 +167,51 @@ BENCHMARKS: dict[str, _Spec] = {
 }
 
 
+def read_utf8(path: Path) -> str:
+    """A data file's text; a byte that is not UTF-8 is one line naming the file, the row (a JSON lines
+    file's line, a JSON list's element) and the byte, where Python's own error names neither file nor row."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        row = _row_of_bad_byte(raw) if path.suffix == ".json" else line
+        byte = raw[error.start : error.start + 1].hex()
+        raise ValueError(
+            f"{path}: {f'row {row}' if row else f'line {line}'}: byte 0x{byte} (at byte {error.start} of the "
+            f"file) is not UTF-8 ({error.reason}); save the file as UTF-8"
+        ) from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}: row {number}: invalid JSON ({error.msg})") from None
+    lines = read_utf8(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")  # as text mode reads
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: row {number}: invalid JSON ({error.msg})") from None
 
 
 def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(read_utf8(path))
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
     yield from enumerate(data, start=1)
+
+
+def _row_of_bad_byte(raw: bytes) -> int:
+    """Which row of a JSON list holds the first byte that is not UTF-8: the file parsed with each such byte
+    kept as a lone surrogate (surrogateescape), the first row whose text holds one; 0 where the list does not
+    parse (the line is named instead)."""
+    try:
+        data = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+    except ValueError:
+        return 0
+    for number, row in enumerate(data if isinstance(data, list) else [], start=1):
+        if re.search("[\udc80-\udcff]", json.dumps(row, ensure_ascii=False)):
+            return number
+    return 0
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:

@@ -52,7 +52,9 @@ def read_json_rows(path: Path) -> list[dict]:
     """The rows of a JSON lines file (one object per non-blank line) or a JSON list of objects, read here
     rather than by ``datasets``' JSON builder so that a malformed row is one line naming the file and line
     number (that builder reports neither) and nothing is cached for a file that fails."""
-    text = path.read_text(encoding="utf-8")
+    from sage.data.benchmarks import read_utf8
+
+    text = read_utf8(path)  # a byte that is not UTF-8: one line naming the file and row
     if path.suffix == ".json":
         try:
             rows = json.loads(text)
