@@ -412,6 +412,8 @@ class SageGRPOTrainer(GRPOTrainer):
             )
         self._log_guide(q, mask, step, mode, fork)
         if beta == 0.0:
+            if mode == "train":
+                self._log_buckets(inputs, logps, entropies, mask, q, None, beta)
             return loss
         if self.divergence.level == "sequence":  # each completion's term spread over its tokens
             per_token = self.divergence.per_token(logps, ref_logps + torch.log(q), mask)  # (B, T)
@@ -419,6 +421,8 @@ class SageGRPOTrainer(GRPOTrainer):
             per_token = self.divergence.per_token(logps, ref_logps + torch.log(q))  # (B, T)
         if self.divergence.importance_weighted:
             per_token = per_token * self._importance_ratio(logps, inputs, mask)
+        if mode == "train":
+            self._log_buckets(inputs, logps, entropies, mask, q, per_token, beta)
         loss = loss + beta * aggregate(
             per_token,
             mask,
@@ -434,6 +438,43 @@ class SageGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["divergence"].append(self._masked_mean(per_token, mask))
             self._metrics[mode]["kl"].append(self._masked_mean(k3(logps, ref_logps), mask))
         return loss
+
+    def _log_buckets(self, inputs, logps, entropies, mask, q, per_token, beta: float) -> None:
+        """Where the anchor acts (``sage.objective.buckets``), per token-entropy bucket of this micro-batch,
+        logged under ``anchor_buckets/``. The anchor's per-token gradient signal is the derivative of its
+        per-token term with respect to the token's log-prob (autograd over the elementwise divergence only,
+        not the model); the policy-gradient term's is TRL's ``-A * r`` where the clip lets it through."""
+        from sage.objective.buckets import bucket_stats
+
+        advantages = inputs["advantages"]
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        old = inputs.get("old_per_token_logps")
+        with torch.no_grad():
+            ratio = torch.exp(logps.detach() - (logps.detach() if old is None else old))
+            clipped = ((ratio < 1 - self.epsilon_low) & (adv < 0)) | (
+                (ratio > 1 + self.epsilon_high) & (adv > 0)
+            )
+            pg = adv * ratio * (~clipped)
+            if "importance_sampling_ratio" in inputs:
+                pg = pg * inputs["importance_sampling_ratio"]
+        anchor_grad = None
+        if per_token is not None:
+            (grad,) = torch.autograd.grad((per_token * mask).sum(), logps, retain_graph=True)
+            anchor_grad = beta * grad
+        stats = bucket_stats(
+            entropies.detach(),
+            mask,
+            q=q,
+            anchor=None if per_token is None else per_token.detach(),
+            anchor_grad=anchor_grad,
+            pg_grad=pg,
+            clipped=clipped,
+            advantages=advantages,
+        )
+        m = self._metrics["train"]
+        for name, value in stats.items():
+            if value == value:  # an empty bucket's NaN is left out of the step's mean
+                m[f"anchor_buckets/{name}"].append(value)
 
     def _importance_ratio(self, logps: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
         """pi / pi_old with gradient, token- or sequence-level as TRL's coef_1: (B, T) or (B, 1)."""
