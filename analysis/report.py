@@ -34,6 +34,7 @@ from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
 from sage.parent_runs import PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
 from sage.tracking import PARENT_TAG, probe_limits, redact, resolve_uri, store_failure
+from sage.train.untrained import UNTRAINED_TAG
 
 SOURCES = ["row", "seed", "run_id", "label"]
 NOISE_SENTENCE = (
@@ -224,6 +225,17 @@ def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
         f"{row}: pass_at_{k}/base/{ds} differs between runs by {d:.3g} (different eval settings?)"
         for (row, ds, k), d in spread.items()
         if d > 1e-12
+    ]
+
+
+def untrained_notes(runs: pd.DataFrame) -> list[str]:
+    """One line per run whose final/ is its start model (tag ``untrained=true``, set by sage-train): its
+    "trained" numbers are the start model's, and its row's mean and intervals include them."""
+    flagged = runs[runs["tags"].map(lambda tags: tags.get(UNTRAINED_TAG) == "true")]
+    return [
+        f"untrained: {row} seed {seed} (run {run_id}): final/ equals the start model, so its trained numbers "
+        "are the start model's (learning rate 0 throughout?)"
+        for row, seed, run_id in flagged[["row", "seed", "run_id"]].itertuples(index=False)
     ]
 
 
@@ -556,6 +568,7 @@ def make_report(
     notes += src_notes
     ks = tables.default_ks(evals, k)
     notes += missing_eval_notes(src, evals, ks)
+    notes += untrained_notes(runs)
     meas = measurements(src, evals)
     if not (runs["method"] == "base").any():
         notes += disagreeing_base_notes(meas, src)

@@ -188,6 +188,9 @@ def rl(
             keep_earlier_final(final, final_step(final), retag=retag)
             (out / "train_log.json").write_text(json.dumps(trainer.state.log_history))
             publish(saving, final)
+            from sage.train.untrained import flag_untrained
+
+            flag_untrained(cfg, start_path, final, out)  # a warm-up-only run (max_steps=1) trained nothing
         distributed.barrier()
     finally:  # an engine (its processes, its memory share) goes with the stage that uses it
         release_training_engine(trainer, environment)
