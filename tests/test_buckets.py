@@ -131,3 +131,12 @@ def test_the_trainer_logs_every_bucket_at_every_logging_step(tmp_path):
             assert 0.0 <= entry[f"anchor_buckets/{n}/anchor_grad_share"] <= 1.0
             assert entry[f"anchor_buckets/{n}/q"] >= 1.0  # Branch only strengthens
     assert max(logged[1][f"anchor_buckets/{n}/anchor_grad_share"] for n in QUINTILES) > 0
+    # the run's step x bucket figure, drawn from the same log
+    from sage.train.figures import BUCKETS, anchor_buckets_figure, bucket_grid
+
+    steps, rows = bucket_grid(trainer.state.log_history, "q")
+    assert steps == [1, 2] and len(rows) == len(BUCKETS)
+    assert rows[0] == [e["anchor_buckets/q1/q"] for e in logged]
+    png = anchor_buckets_figure(trainer.state.log_history, tmp_path / "anchor_buckets.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert anchor_buckets_figure([{"loss": 1.0, "step": 1}], tmp_path / "none.png") is None

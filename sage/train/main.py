@@ -240,6 +240,19 @@ def release_training_memory(held: list) -> None:
         log.info("process %d: the policy and its optimiser were released after RL", distributed.rank())
 
 
+def log_anchor_buckets(tracker, out: Path) -> None:
+    """The step x token-entropy-bucket figure of where the anchor acted (``sage.train.figures``), from the
+    run's training log, into the run's folder and its MLflow artifacts."""
+    from sage.train.figures import anchor_buckets_figure
+
+    history = out / "train_log.json"
+    if not history.is_file():
+        return
+    figure = anchor_buckets_figure(json.loads(history.read_text()), out / "anchor_buckets.png")
+    if figure is not None:
+        tracker.log_artifact(figure)
+
+
 def release_training_engine(trainer, environment_before: dict[str, str | None]) -> None:
     """The training rollouts' vLLM engine is shut down once RL is done: the end-of-run evaluation starts an
     engine of its own, which must never run beside a live one on the same device. ``rollout=vllm``'s engine
@@ -485,6 +498,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
             to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
             if tracker is not None:
                 tracker.set_tag("final_model", str(final))
+                log_anchor_buckets(tracker, out)
         if pruned_at is not None:  # the sweeper records the trial as pruned; its final numbers are moot
             metrics["pruned_at_step"] = float(pruned_at)
             if tracker is not None:
