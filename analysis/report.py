@@ -11,7 +11,9 @@ cells mean ± std over the training seeds asked (``--seeds``, default: every see
 between rows (each minus ``--reference`` and minus base) always carry their t interval over problems and
 seeds (``analysis.bootstrap``: each side's own seed noise, Cochran-Cox critical value, coverage checked by
 simulation at 2-8 seeds with unequal seed noise), from the correctness matrices each evaluation logged; each
-table is a family under Holm's correction.
+table is a family under Holm's correction. Which problems each compared pair moved (lost or gained at pass@k,
+``--lost-threshold``) and where its pass@k curves cross, per seed pair, are a section of their own with
+``tables/moved.csv`` and one ``tables/problems_<dataset>.csv`` per dataset (``analysis.moved``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import bootstrap, figures, load, tables
+from analysis import bootstrap, figures, load, moved, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
@@ -450,6 +452,138 @@ def primary_section(
     )
 
 
+MOVED_CAPTION = (
+    "From the logged correctness matrices, nothing sampled. Lost: a problem whose pass@k under the method "
+    "is below {threshold} x the other row's (`--lost-threshold`), so one the other row solves at k; gained: "
+    "the rows swapped. Counted per seed pair (the same training seed on both sides; a side with one seed, "
+    "such as the start model's one evaluation, is paired with every seed of the other), shown as the mean "
+    "over seed pairs with its {level:.0%} t interval over them. Curves cross: the smallest k at which the "
+    "other row's pass@k (mean over problems, unbiased, k = 1..n) is at least the method's (1: the method "
+    "is not ahead at k = 1), per seed pair, mean with its interval. Per problem: "
+    "`tables/problems_<dataset>.csv`."
+)
+
+
+def moved_pairs(ref_row: str, trained_rows: Sequence[str], base_rows: Sequence[str]) -> list[tuple[str, str]]:
+    """The compared pairs of the report: each method against the reference row, and against the start
+    model when there is one base row."""
+    pairs = [(r, ref_row) for r in trained_rows if r != ref_row] if ref_row in trained_rows else []
+    return pairs + ([(r, base_rows[0]) for r in trained_rows] if len(base_rows) == 1 else [])
+
+
+def moved_table(
+    pv: ProblemValues,
+    pairs: Sequence[tuple[str, str]],
+    ks: dict[str, int],
+    threshold: float,
+    ids: Mapping[str, Sequence[str]],
+) -> tuple[Table, pd.DataFrame, dict[str, dict[str, moved.Moved]]]:
+    """Which problems each pair moved at each dataset's pass@k, and where its curves cross: the table,
+    its numbers (one line per pair and dataset) and the comparisons by dataset and pair name. ``ids``: the
+    problems' ids by dataset, where known, to name those moved in every seed pair."""
+    out: list[tuple[str, list[tables.Cell]]] = []
+    lines, by_ds, everywhere = [], {}, []
+    for ds, k in ks.items():
+        for row, ref in pairs:
+            name = f"{row} vs {ref}"
+            shapes = (pv.shape(row, ds), pv.shape(ref, ds))
+            named = zip((row, ref), shapes, strict=True)
+            why = next((f"{r}: {s}" for r, s in named if isinstance(s, str)), None)
+            if why is None and shapes[0][0] != shapes[1][0]:
+                why = f"not paired by problem: {shapes[0][0]} vs {shapes[1][0]} problems"
+            n = min(shapes[0][1], shapes[1][1]) if why is None else 0
+            if why is None and n < k:
+                why = f"k={k} exceeds the samples per problem ({n})"
+            if why is None:
+                values, seeds = pv.values(row, ds, [k])
+                ref_values, ref_seeds = pv.values(ref, ds, [k])
+                if not moved.seed_pairs(seeds, ref_seeds):
+                    why = f"no training seed in common ({seeds} vs {ref_seeds})"
+            if why is not None:
+                out.append((name, [ds, str(k), "", *[f"— ({why})"] * 3]))
+                continue
+            curves = moved.mean_curve(pv.values(row, ds, list(range(1, n + 1)))[0])
+            ref_curves = moved.mean_curve(pv.values(ref, ds, list(range(1, n + 1)))[0])
+            m = moved.compare(
+                values[..., 0], ref_values[..., 0], curves, ref_curves, seeds, ref_seeds,
+                k=k, threshold=threshold, ref_is_base=ref.startswith("base"),
+            )  # fmt: skip
+            by_ds.setdefault(ds, {})[name] = m
+            texts = [m.count_text("lost"), m.count_text("gained"), m.crossing_text()]
+            out.append((name, [ds, str(k), str(m.problems), *texts]))
+            lines.append({"row": row, "reference": ref, "dataset": ds, "threshold": threshold, **m.summary()})
+            known = ids.get(ds)
+            named_ids = known if known is not None and len(known) == m.problems else None
+            parts = []
+            for which in ("lost", "gained"):
+                idx = m.everywhere(which)
+                if len(idx) and named_ids is not None:
+                    listed = ", ".join(f"`{named_ids[i]}`" for i in idx[:5])
+                    listed += " ..." if len(idx) > 5 else ""
+                    parts.append(f"{which} {len(idx)} ({listed})")
+                elif len(idx):
+                    parts.append(f"{which} {len(idx)}")
+            if parts:
+                everywhere.append(f"{name} on {ds}, in every seed pair: {', '.join(parts)}")
+    columns = ["dataset", "k", "problems", "lost", "gained", "curves cross at k"]
+    title = (
+        f"problems lost and gained at pass@k (below {threshold:g} x the other row's), and where the curves "
+        "cross"
+    )
+    t = Table("moved", title, columns, out)
+    t.notes += everywhere
+    return t, pd.DataFrame(lines, columns=moved.SUMMARY), by_ds
+
+
+def dataset_labels(runs: pd.DataFrame, src: pd.DataFrame, ds: str) -> tuple[list[str], list[str]] | str:
+    """(ids, tiers) of the problems the report's runs evaluated on ``ds`` (``analysis.moved.problem_labels``
+    on their params, which must agree), or why there are none."""
+    keys = (f"eval.datasets.{ds}.", "eval.limit", "model.source.world")
+    used = runs.loc[runs["run_id"].isin(src["run_id"]), "params"]
+    settings = {tuple(sorted((a, v) for a, v in p.items() if a.startswith(keys))) for p in used}
+    if len(settings) != 1:
+        return f"the runs evaluated {ds} under {len(settings)} different params"
+    return moved.problem_labels(dict(settings.pop()), ds)
+
+
+def problems_csv(
+    pv: ProblemValues,
+    ds: str,
+    k: int,
+    rows: Sequence[str],
+    compared: dict[str, moved.Moved],
+    labels: tuple[list[str], list[str]] | str,
+) -> tuple[pd.DataFrame | None, list[str]]:
+    """The per-problem frame of ``ds`` (``analysis.moved.problems_frame``): every row with correctness
+    matrices of the dataset's problems, the compared pairs' lost and gained shares, and the problems' ids
+    and tiers where ``labels`` (``dataset_labels``) has them; the notes say what is missing."""
+    notes = []
+    shapes = {r: s for r in rows if not isinstance(s := pv.shape(r, ds), str)}
+    if not shapes:
+        return None, []
+    problems = next(iter(shapes.values()))[0]
+    passes = {}
+    for r, (p, n) in shapes.items():
+        if p != problems:
+            notes.append(f"problems_{ds}.csv: {r} left out ({p} problems, not {problems})")
+            continue
+        values, _ = pv.values(r, ds, [1, k] if n >= k else [1])
+        mean = values.mean(axis=0)
+        passes[r] = (mean[:, 0], mean[:, 1] if n >= k else np.full(problems, np.nan))
+    ids = tiers = None
+    if isinstance(labels, str):
+        notes.append(f"problems_{ds}.csv: no ids nor tiers ({labels}): `problem` is the row's position")
+    elif len(labels[0]) != problems:
+        notes.append(
+            f"problems_{ds}.csv: no ids nor tiers, the params rebuild {len(labels[0])} problems and the "
+            f"matrices hold {problems}"
+        )
+    else:
+        ids, tiers = labels
+    same = {name: m for name, m in compared.items() if m.problems == problems}
+    return moved.problems_frame(problems, passes, k, same, ids, tiers), notes
+
+
 def curve_bands(pv: ProblemValues, rows: Sequence[str], datasets: Sequence[str], draws: int, rng_seed: int):
     """(row, dataset, k, lo, hi): the bootstrap band (over problems and seeds) of each row's pass@k curve,
     at ``bootstrap.band_ks`` of its samples per problem."""
@@ -552,7 +686,10 @@ def make_report(
     rng_seed: int = 0,
     min_seeds: int = 5,
     primary: tuple[str, str, int] | None = None,
+    lost_threshold: float = moved.LOST_THRESHOLD,
 ) -> Report:
+    if not 0 < lost_threshold <= 1:
+        raise ReportError(f"--lost-threshold must be in (0, 1], not {lost_threshold}")
     if primary is not None and draws <= 0:
         raise ReportError("--primary needs the intervals that --bootstrap 0 turns off")
     sel = select(client, experiment, run_ids, filter_string, seeds)
@@ -633,6 +770,28 @@ def make_report(
             add(t, "Differences against the start model", how)
         else:
             notes.append(f"no differences against base: {len(base_rows)} base rows (one start model needed)")
+        pairs = moved_pairs(ref_row, trained_rows, base_rows)
+        if pairs:
+            labels = {ds: dataset_labels(runs, src, ds) for ds in datasets}
+            ids = {ds: v[0] for ds, v in labels.items() if not isinstance(v, str)}
+            t, numbers, by_ds = moved_table(pv, pairs, ks, lost_threshold, ids)
+            caption = MOVED_CAPTION.format(threshold=lost_threshold, level=bootstrap.LEVEL)
+            add(t, "Which problems moved", caption)
+            # the table's cells are texts: its CSV holds their numbers instead
+            numbers.to_csv(tables_dir / "moved.csv", index=False)
+            for ds in datasets:
+                frame, pnotes = problems_csv(
+                    pv, ds, ks[ds], [*base_rows, *trained_rows], by_ds.get(ds, {}), labels[ds]
+                )
+                notes += pnotes
+                if frame is not None:
+                    frame.to_csv(tables_dir / f"problems_{ds}.csv", index=False)
+        else:
+            notes.append("no 'Which problems moved' section: no reference nor base row to compare against")
+    else:
+        notes.append(
+            "no differences nor 'Which problems moved' section: --bootstrap 0 reads no correctness matrices"
+        )
 
     grids = grid_tables(runs, meas[meas["label"] == "trained"], asked, ks)
     for g in grids:
@@ -804,6 +963,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "families",
     )
     p.add_argument(
+        "--lost-threshold",
+        type=float,
+        default=moved.LOST_THRESHOLD,
+        help="a problem is lost by a method when its pass@k is below this times the other row's (and gained "
+        "the other way round): the 'Which problems moved' section (default: 0.5)",
+    )
+    p.add_argument(
         "--bootstrap",
         type=int,
         default=2000,
@@ -891,6 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rng_seed=args.bootstrap_seed,
             min_seeds=args.min_seeds,
             primary=args.primary,
+            lost_threshold=args.lost_threshold,
         )
     except ReportError as e:
         print(f"sage-report: {e}", file=sys.stderr)

@@ -10,7 +10,8 @@
 - ``close_parent``: when the grid ends, ``sage-report`` over the parent's children is written into the
   sweep dir's ``report/`` and logged into the parent as artifacts (``report/report.md``,
   ``report/figures/*.png``, ``report/tables/*.csv``), and the grid prints its answer: the differences
-  against the reference row with their intervals, the report's folder and the parent run's MLflow URL.
+  against the reference row with their intervals, one line per compared pair with the problems it lost and
+  gained and where its pass@k curves cross, the report's folder and the parent run's MLflow URL.
 - ``compared``: the parent run's name, what the grid compared (``experiment=grpo,grpo_branch x seed=1,2``).
 """
 
@@ -183,7 +184,8 @@ def answer(
     markdown: str, notes: Sequence[str], problem: str | None, report: Path | None, url: str, name: str
 ) -> str:
     """What a grid prints when it ends: the report's differences against the reference row (its table,
-    with intervals), or the line that says why there are none; where the full report is."""
+    with intervals), or the line that says why there are none; the report's "Which problems moved" table
+    (one line per compared pair and dataset); where the full report is."""
     lines = [f"grid {name!r} finished"]
     if problem:
         lines.append(f"no report: {problem}")
@@ -199,17 +201,25 @@ def answer(
                 "the report has no differences table"
             ]
             lines += [f"no differences table: {w}" for w in why]
+        moved = section(markdown, "## Which problems moved")
+        if moved:
+            lines += [
+                moved[0].removeprefix("## ")
+                + " (problems lost / gained at pass@k, mean over seed pairs [95% t interval]; the k at which "
+                "the other row's pass@k curve catches up)",
+                *moved[1:],
+            ]
     if report is not None:
         lines.append(f"full report: {report} (figures/ and tables/ beside it)")
     lines.append(f"MLflow parent run: {url}; its artifacts under report/ hold the same report")
     return "\n".join(lines)
 
 
-def section(markdown: str, heading: str, exclude: str) -> list[str]:
+def section(markdown: str, heading: str, exclude: str | None = None) -> list[str]:
     """The heading line of the first section starting with ``heading`` (not ``exclude``) and its table."""
     lines = markdown.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith(heading) and not line.startswith(exclude):
+        if line.startswith(heading) and not (exclude and line.startswith(exclude)):
             table: list[str] = []
             for ln in lines[i + 1 :]:
                 if ln.startswith("## "):
