@@ -8,7 +8,8 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
   bottleneck);
 - attention: the compact decoder's sampling speed with its C++ attention kernel, with eager torch ops and
   with the torch-ops step under ``torch.compile`` (the kernel stays only while neither comes within 10%);
-- overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved;
+- overhead: median TRL step time of ``guide=branch`` over ``guide=none`` (same seed), runs interleaved, and
+  of ``guide=branch`` with the per-bucket anchor metrics (``tracking.anchor_buckets``) over without them;
 - train: median testbed training step time with TRL's own ``generate`` (``rollout=hf``) and with the
   evaluator's compact sampler (``rollout=fast``), same seed, runs interleaved, and their ratio;
 - run: wall time and peak RSS (process tree) of the default ``sage-train``, cached and cold base model;
@@ -259,10 +260,20 @@ def bench_overhead() -> dict[str, float]:
     measured = _interleaved_medians(runs, OVERHEAD_PAIRS, OVERHEAD_STEPS)
     medians = {guide: m["step_time"] for guide, m in measured.items()}
     ratios = [b / n for n, b in zip(medians["none"], medians["branch"], strict=True)]
+    # where the anchor acts (tracking.anchor_buckets, on by default): the Branch run with it against without
+    buckets = {
+        name: ["guide=branch", f"tracking.anchor_buckets={on}"]
+        for name, on in (("off", "false"), ("on", "true"))
+    }
+    timed = _interleaved_medians(buckets, OVERHEAD_PAIRS, OVERHEAD_STEPS)
+    bucket_ratios = [
+        on / off for off, on in zip(timed["off"]["step_time"], timed["on"]["step_time"], strict=True)
+    ]
     return {
         "step_time_s_guide_none": round(statistics.median(medians["none"]), 4),
         "step_time_s_guide_branch": round(statistics.median(medians["branch"]), 4),
         "sage_overhead_ratio": round(statistics.median(ratios), 3),
+        "anchor_buckets_overhead_ratio": round(statistics.median(bucket_ratios), 3),
     }
 
 

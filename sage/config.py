@@ -256,6 +256,10 @@ class TrackingConfig:
     completions_sample: int | None = field(
         default=None, metadata={"help": "problems per dataset whose completions are saved (None: all)"}
     )
+    anchor_buckets: bool = field(
+        default=True,
+        metadata={"help": "log where the anchor acts by token-entropy bucket (anchor_buckets/, a figure)"},
+    )
 
 
 @dataclass

@@ -164,6 +164,7 @@ def rl(
         divergence=divergence,
         guide=guide,
         filter_zero_variance_groups=cfg.filter_zero_variance_groups,
+        anchor_buckets=cfg.tracking.anchor_buckets,
         callbacks=callbacks,
         rollout_func=rollout_func,
     )

@@ -124,9 +124,18 @@ class SageGRPOTrainer(GRPOTrainer):
     TRL uses it to decide whether to load the reference model.
     """
 
-    def __init__(self, *args, divergence, guide, filter_zero_variance_groups: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        divergence,
+        guide,
+        filter_zero_variance_groups: bool = False,
+        anchor_buckets: bool = True,
+        **kwargs,
+    ):
         self.divergence = divergence
         self.guide = guide
+        self.anchor_buckets = anchor_buckets  # log where the anchor acts (sage.objective.buckets)
         self.filter_zero_variance_groups = filter_zero_variance_groups
         self._loss_pass: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rewards_per_func: torch.Tensor | None = None  # (N, F): last generation batch, every process
@@ -412,7 +421,7 @@ class SageGRPOTrainer(GRPOTrainer):
             )
         self._log_guide(q, mask, step, mode, fork)
         if beta == 0.0:
-            if mode == "train":
+            if mode == "train" and self.anchor_buckets:
                 self._log_buckets(inputs, logps, entropies, mask, q, None, beta)
             return loss
         if self.divergence.level == "sequence":  # each completion's term spread over its tokens
@@ -421,7 +430,7 @@ class SageGRPOTrainer(GRPOTrainer):
             per_token = self.divergence.per_token(logps, ref_logps + torch.log(q))  # (B, T)
         if self.divergence.importance_weighted:
             per_token = per_token * self._importance_ratio(logps, inputs, mask)
-        if mode == "train":
+        if mode == "train" and self.anchor_buckets:
             self._log_buckets(inputs, logps, entropies, mask, q, per_token, beta)
         loss = loss + beta * aggregate(
             per_token,
