@@ -25,7 +25,12 @@ _SET_BY_US = "_SAGE_SET_HYDRA_FULL_ERROR"
 def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
     """Run a ``@hydra.main`` app over the configs in ``conf_dir``; a composition error becomes ``error: <one
     line>`` and exit code 2. A user who set HYDRA_FULL_ERROR asked for Hydra's traceback and gets it."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from hydra.errors import (
+        CompactHydraException,
+        ConfigCompositionException,
+        MissingConfigException,
+        OverrideParseException,
+    )
 
     if os.environ.get(_ENV):
         return app()
@@ -40,6 +45,17 @@ def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
                 print(str(e.__cause__), file=sys.stderr)
             sys.exit(1)
         print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+    except CompactHydraException as e:
+        # Raised before any job ran, while HYDRA_FULL_ERROR is still ours: a sweeper's refusal (the Optuna
+        # sweeper's SweepError: a resumed study that is another experiment, an objective no trial writes) or
+        # an override Hydra cannot parse. Its message is the report; Hydra's traceback adds nothing.
+        said = " ".join(str(e).split("\nSee https://")[0].split())
+        if isinstance(e, OverrideParseException):
+            key, _, value = e.override.partition("=")
+            quote = f" (a value holding = is quoted: {key}='{value}')" if "=" in value else ""
+            said = f"{e.override}: {said}{quote}"
+        print(f"error: {said}", file=sys.stderr)
         sys.exit(2)
     finally:
         composed()
