@@ -230,6 +230,24 @@ def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
     ]
 
 
+def check_k(k: int | None, runs: pd.DataFrame, evals: pd.DataFrame) -> None:
+    """``--k`` above n, the samples per problem, of every evaluation: a pass@k no run has (the estimator
+    needs k <= n), so a table of dashes; one line instead. Each evaluation's n is what its tag records
+    (``sage.eval.<label>.<dataset>``), else the largest k it logged."""
+    if k is None:
+        return
+    n = 0
+    tags_of = dict(zip(runs["run_id"], runs["tags"], strict=True))
+    for (run_id, label, ds), g in evals.groupby(["run_id", "label", "dataset"]):
+        latest = load.latest_evaluation(tags_of.get(run_id, {}), label, ds) or {}
+        n = max(n, int(latest.get("n_samples") or g["k"].max()))
+    if k > n:
+        raise ReportError(
+            f"--k {k} is above n, the samples per problem, of every evaluation here (at most {n}): "
+            f"pass@k needs k <= n; choose --k {n} or less"
+        )
+
+
 def untrained_notes(runs: pd.DataFrame) -> list[str]:
     """One line per run whose final/ is its start model (tag ``untrained=true``, set by sage-train): its
     "trained" numbers are the start model's, and its row's mean and intervals include them."""
@@ -701,6 +719,7 @@ def make_report(
             f"none of the {len(runs)} runs logged pass_at_<k>/<base|trained>/<dataset> metrics "
             "(trained with eval.at_end=false?): nothing to tabulate"
         )
+    check_k(k, runs, evals)
     src, src_notes = sources(runs)
     notes += src_notes
     ks = tables.default_ks(evals, k)

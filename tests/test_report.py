@@ -510,3 +510,31 @@ def test_provenance_records_a_relative_store(tmp_path, monkeypatch):
     db = tmp_path / "outputs" / "mlflow.db"
     assert report.portable_uri(f"sqlite:///{db}") == "sqlite:///outputs/mlflow.db"
     assert report.portable_uri("postgresql://user:pw@host/db") == "postgresql://***@host/db"
+
+
+def test_a_k_above_every_evaluations_n_is_one_line(tmp_path):
+    """Issue 47: --k above the samples per problem gave a report of empty pass@k columns and a note per
+    run; no evaluation can have that pass@k, so it is one line."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    exp = client.create_experiment("n4")
+    for seed in (0, 1):
+        tags = {"sage.kind": "train", "seed": str(seed), "method": "grpo", "base_model": "/start"}
+        run_id = client.create_run(exp, tags=tags).info.run_id
+        for label in ("base", "trained"):
+            for k in (1, 4):  # eval.n_samples=4, eval.ks=[1,4]
+                client.log_metric(run_id, f"pass_at_{k}/{label}/{DS}", 0.5)
+        client.set_terminated(run_id)
+    args = ["--tracking-uri", store, "--experiment", "n4", "--out", str(tmp_path / "r.md")]
+    r = prefork.run([sys.executable, "-m", "analysis.report", *args, "--k", "64"], timeout=300)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-40:])
+    assert lines[-1] == (
+        "sage-report: --k 64 is above n, the samples per problem, of every evaluation here (at most 4): "
+        "pass@k needs k <= n; choose --k 4 or less"
+    )
+    assert not (tmp_path / "r.md").exists()
+    r = prefork.run([sys.executable, "-m", "analysis.report", *args, "--k", "4"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
