@@ -29,10 +29,13 @@ import logging
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
 
 from sage.errors import ConfigError
 
@@ -250,6 +253,70 @@ def holder(out: Path) -> str:
         except (OSError, ValueError, KeyError):
             time.sleep(0.05)
     return "a process that has not yet written its pid and host"
+
+
+def lock_holder(out: Path) -> str | None:
+    """Who is writing ``out`` now (its writer lock is held), or None. The test takes a shared lock for an
+    instant: a writer starting in that instant is refused as if this were a writer, which only a second
+    driver racing the first over the same folder can meet."""
+    try:
+        lock = open(out / LOCK_FILE, "rb")  # noqa: SIM115 (closed below; never created here)
+    except OSError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder(out)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return None
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def held_grid_job(config: Any) -> str | None:
+    """The one line for the first job of a grid (``sage-train -m``, Hydra's basic sweeper) whose folder
+    another run is writing, or None. The jobs are the sweeper's: ``hydra.sweeper.params`` then the command
+    line's overrides, expanded as it expands them; each job's folder is ``hydra.sweep.dir``/``job_dir``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+        return None  # the Optuna sweeper's trials each get a folder of their own (<study>/<trial number>)
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    given = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception:  # noqa: BLE001 (a sweep only the sweeper can expand, glob(): its jobs' own locks guard)
+        return None
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    for number, job in enumerate(jobs):
+        named = [o.split("=", 1)[1] for o in job if o.lstrip("+").startswith("output_dir=")]
+        folder = Path(named[-1]) if named else sweep_dir / job_dir(job)
+        who = lock_holder(folder)
+        if who is not None:
+            return (
+                f"job #{number} ({' '.join(job)}): output_dir={folder} is being written by another run "
+                f"({who}); wait for it to end, or choose another hydra.sweep.dir"
+            )
+    return None
+
+
+class GridWritersCheck(Callback):
+    """``hydra.callbacks.grid_writers`` (conf/train.yaml): before a grid submits anything, a job whose folder
+    another run is writing (a second driver over a running grid's sweep dir) stops the grid with one line
+    naming the holder, exit code 2. Submitted, the job would be refused by its writer lock, and a launcher
+    reports a job's failure as its own (submitit's: the job's error stream and the driver's traceback)."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        line = held_grid_job(config)
+        if line is not None:
+            # A callback's exception is only a warning to Hydra: the refusal exits here, before any launch.
+            print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
 
 
 def on_main(check: Callable[[], None]) -> None:

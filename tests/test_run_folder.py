@@ -136,6 +136,26 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()  # a refused command into the folder leaves nothing there
 
 
+def test_a_second_grid_driver_over_a_job_being_written_is_one_line_naming_the_holder(tmp_path):
+    """Issue 47: a second grid driver's job, refused by its writer lock inside a submitit job, ended in the
+    launcher's report and a 40-line traceback. The grid now stops before it submits anything."""
+    sweep = tmp_path / "sweep"
+    # values Hydra's sweeper writes back as given (it writes false as False)
+    job = ["seed=1", "trl.max_steps=0", "eval.limit=2", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    folder = sweep / job_dir(job)
+    folder.mkdir(parents=True)
+    with writer_lock(folder):  # the first driver's job, still running
+        r = entry_point("sage.train", "-m", "hydra/launcher=local", *job, f"hydra.sweep.dir={sweep}")
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-50:])
+    assert lines[-1] == (
+        f"error: job #0 ({' '.join(job)}): output_dir={folder} is being written by another run "
+        f"(pid {os.getpid()} on host {socket.gethostname()}); wait for it to end, or choose another "
+        "hydra.sweep.dir"
+    )
+    assert not (sweep / ".submitit").exists()  # nothing submitted
+
+
 # ------------------------------------------------------------------ MLflow (fast)
 def tracking_cfg(uri: str, **extra):
     """What start_run reads of a config: the tracking node (every field the schema has), seed, two keys."""
