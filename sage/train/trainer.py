@@ -59,6 +59,7 @@ guide's current hyperparameters; with a model of the testbed's fork world, ``gui
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -148,6 +149,10 @@ class SageGRPOTrainer(GRPOTrainer):
         )
         self._loss_inputs: dict | None = None  # the micro-batch whose loss is being computed
         self._ratio_stats: torch.Tensor | None = None  # the deferred ratio's metrics over a generation batch
+        if getattr(kwargs.get("args"), "use_vllm", False):
+            # TRL's colocated engine (rollout=vllm_merged) on the V1 model runner, whose sampler
+            # use_tempered_logprobs patches below (sage.vllm_engine.build_llm does the same for its engines)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         super().__init__(*args, **kwargs)
         # the fork world's strategy markers in this model's vocabulary (none in any other model): where q is
         # logged apart, and what guide=fork reads
