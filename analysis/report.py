@@ -52,7 +52,7 @@ ANALYSES = [
         "reasoning_patterns",
         "Reasoning patterns (Table 2)",
         "frequency of reasoning patterns among correct solutions",
-        "Formula of SAGE.md section 6 over problems with a correct sample; see sage/eval/analyses.py.",
+        "The paper's formula over problems with a correct sample; see sage/eval/analyses.py.",
     ),
     (
         "strategy",

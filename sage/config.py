@@ -191,7 +191,8 @@ class MathDataConfig:
 
 @dataclass
 class EvalConfig:
-    """Defaults are the paper's protocol (SAGE.md section 5); the testbed's option lists what differs."""
+    """Defaults are the paper's protocol (docs/method.md, "What the paper ran and reports"); the testbed's
+    option lists what differs."""
 
     datasets: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "name -> _target_ returning rows {id, problem, answer}"}

@@ -1,4 +1,5 @@
-"""The output format of the paper (SAGE.md section 4), shared by training, evaluation and the testbed.
+"""The output format of the paper (docs/method.md, "What the paper ran and reports"), shared by training,
+evaluation and the testbed.
 
 A completion is ``<start_working_out> ... <end_working_out><SOLUTION> answer </SOLUTION>``. Train and eval
 build prompts with the same function so that they can never disagree on the template.

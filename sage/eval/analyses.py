@@ -3,9 +3,9 @@ with it: reasoning patterns among correct solutions (Table 2), the testbed's sol
 collapse shows as one strategy taking over) and each sample's perplexity under the base model (Figure 7).
 ``sage-report`` reads these from MLflow; it never loads a model.
 
-Pattern detectors are the keyword lists of SAGE.md section 6, case-insensitive, on word boundaries. On the
-arithmetic testbed they find nothing (its working out is bare arithmetic): the numbers are still computed
-and shown, since the same code runs on the math benchmarks.
+Pattern detectors are the paper's keyword lists (its reasoning-pattern analysis), case-insensitive, on word
+boundaries. On the arithmetic testbed they find nothing (its working out is bare arithmetic): the numbers
+are still computed and shown, since the same code runs on the math benchmarks.
 
 Perplexity: PPL(y | x) = exp( -(1/|y|) sum_t log pi_base(y_t | x, y_<t) ). The prompt x is rendered as
 evaluation rendered it (``sage.eval.sampling.prompt_texts``), tokenised without special tokens as the

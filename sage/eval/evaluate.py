@@ -3,7 +3,7 @@ the unbiased pass@k curve (k = 1..n) from it. ``sage-train``'s end-of-run evalua
 call :func:`evaluate_model`, so they give the same numbers for the same checkpoint and seed; the periodic
 evaluation during training samples and grades through :func:`sample_share` too.
 
-Departures from the authors' evaluator (SAGE.md section 7):
+Departures from the authors' evaluator:
 - the HF backend runs its own decode loop over (prompt, sample) pairs batched across problems: each
   distinct prompt is prefilled once and its KV cache copied to its samples, and finished sequences leave
   the batch, so no compute goes to a prompt's duplicates or to padding after eos (``generate`` with

@@ -17,7 +17,7 @@ def aggregate(
     num_processes: int,
     training: bool,
 ) -> torch.Tensor:
-    """TRL 1.16's per-token -> scalar rule for each loss type (SAGE.md section 2), including the
+    """TRL 1.16's per-token -> scalar rule for each loss type (docs/method.md, "The loss"), including the
     gradient-accumulation scaling TRL applies. per_token, mask: (B, T) -> scalar."""
     accum = grad_accum_steps if training else 1.0
     if loss_type == "grpo":  # mean over tokens of each sequence, then over sequences

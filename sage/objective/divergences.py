@@ -1,6 +1,6 @@
 """Per-token divergence terms between the policy and the (shaped) anchor m = q * pi_ref.
 
-Every term has two separate duties (SAGE.md section 2) and each function documents both:
+Every term has two separate duties (docs/method.md, "The divergences") and each function documents both:
 - VALUE: what the returned tensor's forward value estimates (that is what we log);
 - GRADIENT: what its gradient estimates in expectation when tokens are sampled on-policy.
 Where the pathwise gradient of the value estimator is not the gradient we want (forward KL), the term is

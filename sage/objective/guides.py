@@ -1,4 +1,4 @@
-"""Guides q_t > 0 that reshape the anchor: pi_ref -> q * pi_ref, per token (SAGE.md section 3).
+"""Guides q_t > 0 that reshape the anchor: pi_ref -> q * pi_ref, per token (docs/method.md, "The guides").
 
 A guide is computed from signals of the forward pass TRL already runs (sampled-token log-probs and
 next-token entropies), is detached (no gradient flows through q), is clamped to [q_min, q_max] and is 1

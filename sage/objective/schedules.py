@@ -1,4 +1,4 @@
-"""Schedules for the guide hyperparameters that the paper anneals (SAGE.md section 3).
+"""Schedules for the guide hyperparameters that the paper anneals (docs/method.md, "The guides").
 
 A schedule maps (start, end, step) to a value; ``step`` counts OPTIMISER steps (the trainer passes
 ``state.global_step``), not loss calls as the authors' code does.
