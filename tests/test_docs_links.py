@@ -1,7 +1,8 @@
 """The docs point at what exists: every relative link of README.md and docs/ (markdown links and images)
 and every repository path they name in backticks (``sage/...``, ``docs/...``, ``tests/...`` and the other
 top folders) resolves to a file or folder of the repository; and no code or guide cites the spec by its
-section numbers (``SAGE.md section N``), a file that is not in the repository (docs/method.md says it)."""
+section numbers (``SAGE.md section N``): that file is not in the repository, docs/method.md describes the
+method."""
 
 from __future__ import annotations
 
