@@ -42,13 +42,18 @@ def model_path(tmp_path_factory):
 
 class Receiver:
     """The colocated engine as TRL's ``sync_weights`` reaches it (``llm.reset_prefix_cache`` and
-    ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``). Keeps a copy of each
+    ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``) and as SageGRPOTrainer
+    reaches its sampler (``...model_runner.sampler``). Keeps a copy of each
     tensor, as vLLM copies it into its own buffers (TRL's in-place path hands over the live parameter, which
     it unmerges right after)."""
 
     def __init__(self):
+        from vllm.v1.sample.sampler import Sampler
+
         self.sent: dict[str, torch.Tensor] = {}
-        runner = SimpleNamespace(model=self)
+        # vLLM's own sampler, which SageGRPOTrainer makes return the trainer's log-probs (sage.vllm_worker)
+        self.sampler = Sampler(logprobs_mode="processed_logprobs")
+        runner = SimpleNamespace(model=self, sampler=self.sampler)
         self.llm_engine = SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
         )
@@ -154,6 +159,8 @@ def test_out_of_place_sync_leaves_base_and_reference_bit_identical(model_path, t
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(sent[q], base[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"])
     assert type(trainer.vllm_generation) is OutOfPlaceVLLMGeneration
+    # the colocated engine's sampler returns the trainer's log-probs (before truncation, at the temperature)
+    assert trainer.vllm_generation.llm.sampler.sample.__func__.__name__ == "tempered_sample"
 
 
 def test_trl_in_place_sync_moves_base_and_reference(model_path, tmp_path, no_engine):

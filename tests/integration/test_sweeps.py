@@ -464,7 +464,11 @@ def test_a_grid_ends_with_its_differences_and_where_its_report_is(tmp_path):
     assert tail[1].startswith("Differences against GRPO (95% t intervals")
     assert tail[2].startswith("| method | arith_heldout pass@1 | arith_heldout pass@4 |")
     assert tail[4].startswith("| GRPO + Branch | ") and tail[4].count("[") == 2
-    assert f"full report: {sweep_dir / 'report' / 'report.md'}" in tail[5]
+    # then which problems each pair lost and gained (one line per pair and dataset), then where the report is
+    assert tail[5].startswith("Which problems moved")
+    assert any(line.startswith("| GRPO + Branch vs GRPO | arith_heldout |") for line in tail[5:])
+    full = next(i for i, line in enumerate(tail) if line.startswith("full report: "))
+    assert f"full report: {sweep_dir / 'report' / 'report.md'}" in tail[full]
     assert (sweep_dir / "report" / "report.md").is_file() and any((sweep_dir / "report" / "tables").iterdir())
     url = f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{parent.info.run_id}"
-    assert tail[6].startswith(f"MLflow parent run: {url}")
+    assert tail[full + 1].startswith(f"MLflow parent run: {url}")
