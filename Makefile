@@ -70,6 +70,7 @@ clean:  ## remove outputs (keeps the model cache in ~/.cache/sage)
 # `make reproduce-table1` (3, 4, 6) rebuilds one table. Each part writes how long it took to $(REPRO)/time_*.md.
 # regime=anchored: the learning rate and beta at which the anchor is a force (docs/results/graded_world.md).
 RESULTS ?= docs/results
+comma := ,
 REPRO ?= outputs/reproduce
 REPRO_ENV = MLFLOW_TRACKING_URI=sqlite:///$(abspath $(REPRO))/mlflow.db
 # 400 held-out problems (the base-model targets are measured on 200): at pass@256 a problem is nearly 0 or 1,
@@ -141,6 +142,23 @@ timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 reproduce-testbed: install  ## issue 22: the fair test of SAGE on the fork world, then docs/results/testbed.md
 	$(MAKE) reproduce-fork
 	$(MAKE) reproduce-fork-report
+
+# The dose-response test (issue 48, docs/results/dose_response.md, declared before its runs): does any change of
+# anchor strength at the fork move the rare share? GRPO, the fork oracle at q = 4 under k3, and GRPO at 4x beta,
+# on the fork study's world and step, at seeds the fork study never used; one grid per arm (one sweep folder each).
+DOSE_SEEDS ?= 9,10,11,12,13,14,15,16
+DOSE_SWEEP = $(REPRO)/dose_response
+DOSE_ARGS = -m model=tiny_fork seed=$(DOSE_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
+  trl.learning_rate=$(FORK_LR) eval.n_samples=256 eval.every_steps=50 eval.datasets.arith_heldout.n=$(FORK_HELDOUT) \
+  eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=dose-response
+DOSE_ARMS = grpo:experiment=grpo grpo_fork_q4:experiment=grpo_fork,guide.q=4,method=grpo_fork_q4 \
+  grpo_kl_x4:experiment=grpo,divergence.beta=0.8,method=grpo_kl_x4
+
+.PHONY: reproduce-dose-response
+reproduce-dose-response: install  ## issue 48's dose-response runs (3 arms x 8 seeds), then its page's results
+	$(call timed,dose,Dose-response: 3 arms x seeds $(DOSE_SEEDS),$(foreach arm,$(DOSE_ARMS),\
+	  $(SAGE_TRAIN) $(DOSE_ARGS) $(subst $(comma), ,$(word 2,$(subst :, ,$(arm)))) \
+	  hydra.sweep.dir=$(DOSE_SWEEP)/$(word 1,$(subst :, ,$(arm))) &&) true)
 
 reproduce-graded: install  ## issue 15: the base model, Tables 1/3/4/6 on the graded world, then docs/results/graded.md
 	$(call timed,total,all parts,$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6)
