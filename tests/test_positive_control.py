@@ -107,3 +107,237 @@ def test_power_is_the_level_without_an_effect_and_near_one_with_a_large_one():
     big_m, big_r = pilot(rng, 0.02)
     assert pc.simulate_power(big_m, big_r, seeds=8, samples=256, sims=200, rng=rng) >= 0.95
     assert pc.normal_power(big_m, big_r, seeds=8)[0] >= 0.95
+
+
+def study(root: Path, seeds=(1, 2, 3, 4), methods=("grpo", "grpo_fork_rare"), problems: int = 3) -> Path:
+    """A sweep folder of ``methods`` x ``seeds`` finished runs (and a run of another row), 4 samples per
+    problem, their `round` counts drawn from a fixed RNG (more for the oracle)."""
+    rng = np.random.default_rng(7)
+    sweep = root / "sweep"
+    for method in methods:
+        for seed in seeds:
+            high = 5 if method == "grpo_fork_rare" else 3
+            write_run(sweep / f"{method}-{seed}", method, seed, rng.integers(0, high, problems).tolist())
+    write_run(sweep / "nokl-1", "grpo_nokl", 1, [4] * problems)
+    return sweep
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """main's one-line refusal: exit code 2, one line on stderr, nothing on stdout."""
+    assert pc.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured
+    return captured.err
+
+
+@pytest.fixture
+def no_completions(monkeypatch):
+    """Fails a test that reads a completion: refusals come before the expensive part."""
+
+    def boom(found):
+        raise AssertionError(f"{found.folder}: completions read before the refusal")
+
+    monkeypatch.setattr(pc, "count_run", boom)
+
+
+def test_seed_lists_and_groups_parse():
+    assert pc.parse_seeds("5-8") == [5, 6, 7, 8]
+    assert pc.parse_seeds("1,3-4, 2") == [1, 2, 3, 4]
+    for bad in ("", "1-", "4-2", "a", "1;2"):
+        with pytest.raises(Exception, match="seed"):
+            pc.parse_seeds(bad)
+    groups = pc.parse_split("pilot=1-4,5-8,9")
+    assert [(g.label, g.seeds) for g in groups] == [
+        ("seeds 1-4 (pilot)", [1, 2, 3, 4]),
+        ("seeds 5-8", [5, 6, 7, 8]),
+        ("seed 9", [9]),
+    ]
+
+
+def test_study_seeds_count_only_the_declared_runs(tmp_path, capsys):
+    sweep = study(tmp_path, seeds=(1, 2, 3))
+    assert pc.main([str(sweep), "--seeds", "0", "--study-seeds", "1-2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4 runs, 3 arith_tail problems x 4 samples")
+    assert "grpo-3" not in out and "grpo_fork_rare-3" not in out and out.count("seeds [1, 2])") == 6
+    assert pc.main([str(sweep), "--seeds", "0"]) == 0  # without it, every finished run counts
+    assert capsys.readouterr().out.startswith("6 runs,")
+
+
+def test_a_declared_seed_an_arm_lacks_is_refused_before_completions_are_read(
+    tmp_path, capsys, no_completions
+):
+    sweep = study(tmp_path, seeds=(1, 2, 3))
+    (sweep / "grpo-2" / "config.yaml").unlink()  # a run that never finished: no config
+    err = refused(capsys, [str(sweep), "--seeds", "0", "--study-seeds", "1-4"])
+    assert err == (
+        "positive_control.py: the study's seeds are 1, 2, 3, 4, but grpo_fork_rare has no run of seed(s) 4; "
+        "grpo has no run of seed(s) 2, 4\n"
+    )
+    write_run(tmp_path / "rerun" / "grpo-1", "grpo", 1, [0, 0, 0])  # the same seed again, in another sweep
+    err = refused(capsys, [str(sweep), str(tmp_path / "rerun"), "--seeds", "0", "--study-seeds", "1,3"])
+    assert f"grpo has 2 runs of seed 1: {sweep / 'grpo-1'} and {tmp_path / 'rerun' / 'grpo-1'}" in err
+
+
+def test_runs_on_other_problems_are_refused_in_one_line_naming_both(tmp_path, capsys, no_completions):
+    sweep = study(tmp_path, seeds=(1, 2))
+    meta = sweep / "grpo_fork_rare-2" / "eval" / "trained" / "arith_tail" / "key_seed0" / "meta.json"
+    meta.write_text(json.dumps({"ids": ["p0", "q1", "p2"]}))  # the method rerun on other problems
+    err = refused(capsys, [str(sweep), "--seeds", "0"])
+    assert (
+        f"{sweep / 'grpo-1'} and {sweep / 'grpo_fork_rare-2'} were not evaluated on the same arith_tail"
+        in err
+    )
+    assert "(problem 1: p1 and q1)" in err
+    assert "nokl" not in err  # another row's runs are not compared
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--seeds", "0"],
+        ["--seeds", "4", "--sims", "20"],
+        ["--seeds", "0", "--study-seeds", "2-4", "--split", "pilot=2-3,4"],
+        ["--seeds", "0", "--reference", "grpo_nokl", "--study-seeds", "1"],
+    ],
+)
+def test_the_data_file_prints_what_the_folders_print(tmp_path, capsys, options):
+    sweep = study(tmp_path)
+    assert pc.main([str(sweep), *options]) in (0, 1)
+    from_folders = capsys.readouterr().out
+    saved = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path in saved:
+        assert pc.main([str(sweep), *options, "--save-data", str(path)]) in (0, 1)
+        assert capsys.readouterr().out == from_folders  # saving changes nothing printed
+    assert saved[0].read_bytes() == saved[1].read_bytes()  # deterministic: no time stamp, sorted keys
+    data = ["--data", str(saved[0]), *[o for o in options if o not in ("--reference", "grpo_nokl")]]
+    assert pc.main(data) in (0, 1)
+    assert capsys.readouterr().out == from_folders
+    doc = json.loads(saved[0].read_text())
+    assert doc["ids"] == ["p0", "p1", "p2"] and doc["settings"]["argv"] == [str(sweep), *options]
+    assert doc["settings"]["dataset"] == "arith_tail" and doc["settings"]["method"] == "grpo_fork_rare"
+    first = doc["runs"][0]
+    assert first["folder"] == str(sweep / first["method"]) + f"-{first['seed']}"
+    assert first["samples"] == 4 and first["correct"] == [1, 1, 1]  # the first sample of each is correct
+    assert first["cells"][0]["samples"] == 4 and len(first["cells"][0]["rare"]) == 3
+
+
+def test_the_default_output_has_no_new_parts(tmp_path, capsys):
+    assert pc.main([str(study(tmp_path)), "--seeds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "per-pair interval (analysis/bootstrap.py difference):\n" in out
+    assert "detectable" not in out and "paired" not in out and out.count(" minus ") == 1
+
+
+def test_sweeps_and_a_data_file_exclude_each_other(tmp_path, capsys):
+    sweep = study(tmp_path, seeds=(1, 2))
+    assert pc.main([str(sweep), "--seeds", "0", "--save-data", str(tmp_path / "d.json")]) == 0
+    capsys.readouterr()
+    assert "not both" in refused(capsys, [str(sweep), "--data", str(tmp_path / "d.json")])
+    assert "give sweep folders or --data" in refused(capsys, ["--seeds", "0"])
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a data file" in refused(capsys, ["--data", str(tmp_path / "bad.json")])
+
+
+def test_split_prints_each_seed_groups_difference_apart(tmp_path, capsys):
+    sweep = study(tmp_path)
+    assert pc.main([str(sweep), "--seeds", "0", "--split", "pilot=1-2,3-4"]) == 0
+    out = capsys.readouterr().out
+    runs = [pc.load_run(f, "arith_tail", ("grpo", "grpo_fork_rare")) for f in sorted(sweep.iterdir())]
+    runs = [r for r in runs if r]
+    heads = [ln for ln in out.splitlines() if " minus " in ln]
+    assert heads == [
+        "grpo_fork_rare minus grpo, per-pair interval (analysis/bootstrap.py difference):",
+        "grpo_fork_rare minus grpo, seeds 1-2 (pilot), per-pair interval (analysis/bootstrap.py difference):",
+        "grpo_fork_rare minus grpo, seeds 3-4, per-pair interval (analysis/bootstrap.py difference):",
+    ]
+    blocks = out.split(" minus ")[1:]
+    for block, seeds in zip(blocks, (None, [1, 2], [3, 4]), strict=True):
+        _, m = pc.arm(runs, "grpo_fork_rare", "share", seeds)
+        _, ref = pc.arm(runs, "grpo", "share", seeds)
+        iv = bootstrap.difference(m, ref)
+        line = f"= {iv.diff:+.4f} [{iv.lo:.4f}, {iv.hi:.4f}], p = {iv.p:.3g}"
+        assert (
+            f"{line}, detectable at 80% power {iv.mde:.4f}" in block
+            and f"seeds {seeds or [1, 2, 3, 4]})" in block
+        )
+    err = refused(capsys, [str(sweep), "--seeds", "0", "--split", "1-2,4-5"])
+    assert "--split's seeds 4-5: grpo_fork_rare has no run of seed(s) 5; grpo has no run of seed(s) 5" in err
+
+
+def test_paired_uses_the_interval_paired_by_seed_and_needs_the_same_seeds(tmp_path, capsys):
+    sweep = study(tmp_path)
+    assert pc.main([str(sweep), "--seeds", "0", "--paired"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "grpo_fork_rare minus grpo, paired-by-seed interval (analysis/bootstrap.py difference, paired=True):"
+        in out
+    )
+    runs = [
+        r for f in sorted(sweep.iterdir()) if (r := pc.load_run(f, "arith_tail", ("grpo", "grpo_fork_rare")))
+    ]
+    for figure in ("share", "pass@1", "pass@n"):
+        _, m = pc.arm(runs, "grpo_fork_rare", figure)
+        _, ref = pc.arm(runs, "grpo", figure)
+        iv = bootstrap.difference(m, ref, paired=True)
+        assert f"[{iv.lo:.4f}, {iv.hi:.4f}], p = {iv.p:.3g}, detectable at 80% power {iv.mde:.4f}" in out
+    (sweep / "grpo-4" / "config.yaml").unlink()
+    err = refused(capsys, [str(sweep), "--seeds", "0", "--paired"])
+    assert (
+        "--paired pairs runs by training seed, but grpo_fork_rare has seeds 1, 2, 3, 4 and grpo 1, 2, 3"
+        in err
+    )
+
+
+def test_the_data_file_keeps_each_evaluation_cell(tmp_path, capsys):
+    """Two evaluation seeds' cells, the second with fewer samples on some problems: the share averages the
+    cells' own shares, and the data file keeps each cell's counts (a list where the samples differ)."""
+    sweep = study(tmp_path, seeds=(1, 2))
+    rng = random.Random(3)
+    for run in ("grpo-1", "grpo_fork_rare-2"):
+        cell = sweep / run / "eval" / "trained" / "arith_tail" / "key_seed1"
+        cell.mkdir()
+        texts = [[completion("round" if j < 1 else "direct", rng) for j in range(n)] for n in (4, 3, 2)]
+        (cell / "completions.json").write_text(json.dumps(texts))
+        (cell / "meta.json").write_text(json.dumps({"ids": ["p0", "p1", "p2"]}))
+        np.save(cell / "correct.npy", np.ones((3, 4), dtype=bool))  # not read: the first cell's counts
+    first = pc.load_run(sweep / "grpo-1", "arith_tail")
+    only = json.loads(
+        (sweep / "grpo-1" / "eval" / "trained" / "arith_tail" / "key_seed0" / "completions.json").read_text()
+    )
+    np.testing.assert_allclose(first.share, (pc.problem_shares(only) + [1 / 4, 1 / 3, 1 / 2]) / 2)
+    assert first.correct.sum() == 3
+    assert pc.main([str(sweep), "--seeds", "0", "--save-data", str(tmp_path / "d.json")]) == 0
+    from_folders = capsys.readouterr().out
+    assert pc.main(["--data", str(tmp_path / "d.json"), "--seeds", "0"]) == 0
+    assert capsys.readouterr().out == from_folders
+    (cells,) = [
+        r["cells"]
+        for r in json.loads((tmp_path / "d.json").read_text())["runs"]
+        if r["seed"] == 1 and r["method"] == "grpo"
+    ]
+    assert [c["name"] for c in cells] == ["key_seed0", "key_seed1"]
+    assert cells[1]["samples"] == [4, 3, 2] and cells[1]["rare"] == [1, 1, 1]
+
+
+def test_the_data_file_of_a_whole_study_is_small():
+    """3 arms x 8 seeds x 100 problems x 256 samples: integers per problem, no per-sample arrays."""
+    rng = np.random.default_rng(0)
+    ids = [f"{a}*{b}+{c}=" for a, b, c in rng.integers(10, 99, (100, 3))]
+    counts = [
+        pc.Counts(
+            f"outputs/reproduce/fork/eval.n_samples=256,experiment={method},-{seed:08x}",
+            method,
+            seed,
+            ids,
+            ["6341aadbe794_seed0"],
+            [[256] * 100],
+            [rng.binomial(256, 0.05, 100).tolist()],
+            256,
+            rng.binomial(256, 0.01, 100).tolist(),
+        )
+        for method in ("grpo", "grpo_branch", "grpo_fork_rare")
+        for seed in range(1, 9)
+    ]
+    text = pc.data_file(counts, {"argv": [], "dataset": "arith_tail", "method": "grpo", "reference": "grpo"})
+    assert len(text.encode()) < 50_000 and text.count("\n") == 1
