@@ -235,8 +235,11 @@ LENGTH, VOCAB = 6, 3
 
 def autoregressive_world(seed: int = 0, displacement: float = 0.5):
     """Every completion of LENGTH tokens from VOCAB (729), a tabular policy (logits per prefix) and a
-    reference whose logits differ by ``displacement`` x N(0, 1): the policy at its first step, away from
-    its reference. Returns (theta, ref logits, (N, LENGTH) prefix ids, (N, LENGTH) tokens)."""
+    reference whose logits differ by ``displacement`` x N(0, 1): a policy displaced from its reference, as
+    after some training, not at a true step 0 (there the policy is its reference, where with Branch's q, the
+    same for every token at a position, k3's expected gradient is exactly 0 and sequence_kl's in general is
+    not).
+    Returns (theta, ref logits, (N, LENGTH) prefix ids, (N, LENGTH) tokens)."""
     import itertools
 
     ys = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))
