@@ -25,10 +25,10 @@ cover a true null in 82-90% of simulated studies with one row at twice the other
   optimistic at 2-3 seeds when one side's seed noise dominates (they are largest exactly when that
   side's variance came out too small): 92-93% coverage with a 4x row at 2 seeds. The price, in the
   test's simulated regimes: median widths 4-8% above Welch-Satterthwaite's at 8 seeds, 7-17% at 5,
-  1.2-1.5x at 3 and 1.5-2.7x at 2. Seeds are not paired
+  1.2-1.5x at 3 and 1.5-2.7x at 2. Seeds are not paired here
   (a shared seed set makes the two sides' seed effects correlate; positive correlation only makes the
   interval conservative). With 2 seeds the seed part has 1 degree of freedom, so its intervals are wide:
-  that is what two seeds measure.
+  that is what two seeds measure; pairing them (below) is what a shared seed set buys.
 
 Its coverage is checked by simulation at 2, 3, 5 and 8 seeds, with rows at 1x, 2x and 4x seed SD and seeds
 shared across rows (tests/test_bootstrap.py). A side with one training seed gets no interval (nothing
@@ -36,6 +36,45 @@ measures its seed noise); the start model (``base``) has no training seed, so it
 (its sampling noise stays in the problem part). Each interval carries its two-sided p-value, for Holm's
 correction over a table's family of comparisons (``holm``), and the smallest difference it would detect
 with 80% power (two-sided 5%).
+
+Paired by training seed (``difference(..., paired=True)``): rows of one study share their training seeds
+(seed s of GRPO and seed s of Branch share the data order and the other draws the seed makes), so their
+run means move together (correlation 0.90 measured between rows of the study). The unpaired interval adds
+the two rows' seed variances where only the variance of their difference counts, and is ~2.8x as wide as
+the paired one there. Paired, row i of both arrays is the same training seed, and the analysis is of the
+one (seeds, problems) array of differences
+
+    z_sp = values[s, p] - ref_values[s, p] = delta + g_p + c_s + u_sp,
+
+g_p = alpha_mp - alpha_ref,p (the gain's variation over problems), c_s = b_ms - b_ref,s (the seed's effect
+on the difference: whatever the two rows share of it cancels) and u_sp = e_msp - e_ref,sp (the rest,
+however correlated the two rows' e are). The difference is mean(z), and
+
+    Var(diff) = sigma_g^2 / P  +  sigma_c^2 / S  +  sigma_u^2 / (S P)
+
+- the seed part, sigma_c^2 / S + sigma_u^2 / (S P): the between-seed variance of the per-seed differences
+  of run means  d_s = mean_p z_sp  (its expectation is sigma_c^2 + sigma_u^2 / P), over S, on S - 1
+  degrees of freedom. One variance of one set of S numbers: there is no second side whose noise differs
+  (the Behrens-Fisher problem above), so it needs neither Hsu's nor Welch's degrees of freedom, and
+  unequal seed noise of the two rows is simply part of sigma_c;
+- the problem part, sigma_g^2 / P: the seed-averaged per-problem differences mean_s z_sp have variance
+  sigma_g^2 + sigma_u^2 / S over problems, so their spread less resid / S, over P, with resid the residual
+  variance of z itself (``seed_noise(z).resid_var``, (S - 1)(P - 1) df: z less its seed and problem means),
+  which estimates sigma_u^2 whether or not the two rows' e correlate (the unpaired sum of each side's
+  residual variance over-subtracts when they correlate positively), floored at 0, on P - 1 degrees of
+  freedom;
+- the two parts combined by Cochran and Cox's critical value (``t_interval``), as unpaired. At 2 seeds
+  (1 df) it covers less than 95% when the problem part is a few percent of the seed part: the seed part's
+  estimate is often near 0, and the critical value then falls towards the problem part's z before the
+  standard error has grown (93.9% at its worst, a problem part 2.5% of the seed part, integrating over the
+  chi-square; 95.0% from 3 seeds on; simulated, 93.6-94.2% in the worst 2-seed cells). The unpaired
+  interval, with two seed variances and Hsu's df, covered 97.4-98.9% in the three such cells simulated.
+
+Both arrays must have the same seeds in the same order (the caller knows the seed ids; here only the counts
+can be checked, and unequal counts are refused). With the start model as the reference there is no seed to
+pair with: refused. Coverage is checked by simulation at 2, 3, 5 and 8 seeds, the two rows' seed effects
+correlated at 0, 0.5, 0.9 and 0.95 and the method's seed SD 1x, 2x and 4x the reference's
+(tests/test_bootstrap.py).
 
 Curve bands (``mean_band``) resample problems and seeds (a bootstrap, B draws, fixed RNG seed): a
 description of the curve's uncertainty, not a test.
@@ -137,15 +176,24 @@ def difference(
     *,
     ref_is_base: bool = False,
     level: float = LEVEL,
+    paired: bool = False,
 ) -> Interval:
     """mean(values) - mean(ref_values), both (seeds, problems) arrays over the same problems in the same
     order, with the per-pair interval of the module docstring (each side's seed noise from its own
-    seeds). ``ref_is_base``: the reference is the start model, which has no training seed."""
+    seeds). ``ref_is_base``: the reference is the start model, which has no training seed. ``paired``: row
+    i of both arrays is the same training seed, and the interval is the paired one of the module docstring
+    (the seed noise of the per-seed differences)."""
     values, ref_values = np.asarray(values, dtype=float), np.asarray(ref_values, dtype=float)
     if values.ndim != 2 or ref_values.ndim != 2 or values.shape[1] != ref_values.shape[1]:
         raise ValueError(f"not paired by problem: shapes {values.shape} and {ref_values.shape}")
+    if paired and ref_is_base:
+        raise ValueError("paired by seed with ref_is_base: the start model has no training seed to pair")
+    if paired and len(values) != len(ref_values):
+        raise ValueError(f"not paired by seed: {len(values)} seeds and {len(ref_values)} reference seeds")
     diff = float(values.mean() - ref_values.mean())
     none = Interval(diff, math.nan, math.nan, math.nan, math.nan, math.nan, math.nan)
+    if paired:
+        return _paired(diff, values - ref_values, none, level)
     sides = [seed_noise(values)] + ([] if ref_is_base else [seed_noise(ref_values)])
     if any(n is None for n in sides):
         return none
@@ -161,6 +209,18 @@ def difference(
     # parts, covered a true null in 92-93% of simulated studies with a 4x row at 2 seeds (the df estimate
     # is largest exactly when a seed variance came out too small)
     return t_interval(diff, [seed_part, problem_part], [min(n.df for n in sides), problems - 1], level=level)
+
+
+def _paired(diff: float, z: np.ndarray, none: Interval, level: float) -> Interval:
+    """The paired interval of ``diff`` from the (seeds, problems) differences ``z`` (module docstring)."""
+    noise = seed_noise(z)
+    if noise is None:  # one seed pair: nothing measures the seed noise of the difference
+        return none
+    seeds, problems = z.shape
+    per_problem = z.mean(axis=0)
+    spread = float(per_problem.var(ddof=1)) if problems > 1 else 0.0
+    problem_part = max(0.0, spread - noise.resid_var / seeds) / problems
+    return t_interval(diff, [noise.run_var / seeds, problem_part], [noise.df, problems - 1], level=level)
 
 
 def t_interval(

@@ -11,9 +11,12 @@ cells mean ± std over the training seeds asked (``--seeds``, default: every see
 between rows (each minus ``--reference`` and minus base) always carry their t interval over problems and
 seeds (``analysis.bootstrap``: each side's own seed noise, Cochran-Cox critical value, coverage checked by
 simulation at 2-8 seeds with unequal seed noise), from the correctness matrices each evaluation logged; each
-table is a family under Holm's correction. Which problems each compared pair moved (lost or gained at pass@k,
-``--lost-threshold``) and where its pass@k curves cross, per seed pair, are a section of their own with
-``tables/moved.csv`` and one ``tables/problems_<dataset>.csv`` per dataset (``analysis.moved``).
+table is a family under Holm's correction. ``--paired-seeds``: a method run on the reference's training seeds
+gets the interval paired by seed instead (the seed noise of the per-seed differences: rows sharing seeds
+share much of their seed noise); the others, and every difference against the start model, stay unpaired.
+Which problems each compared pair moved (lost or gained at pass@k, ``--lost-threshold``) and where its
+pass@k curves cross, per seed pair, are a section of their own with ``tables/moved.csv`` and one
+``tables/problems_<dataset>.csv`` per dataset (``analysis.moved``).
 """
 
 from __future__ import annotations
@@ -383,11 +386,16 @@ def difference_table(
     *,
     name: str,
     title: str,
+    paired: bool = False,
 ) -> Table:
     """Each of ``rows`` minus ``reference`` at each (dataset, k) column: a ``Diff`` cell (the difference
     with its interval, see ``analysis.bootstrap``), or why there is none. The table's cells with an
     interval are one family of comparisons: Holm's correction marks the ones that survive it, and the notes
-    say so, with the smallest difference each column could detect."""
+    say so, with the smallest difference each column could detect. ``paired``: a row run on the same
+    training seeds as a trained reference gets the interval paired by seed; the notes name the rows whose
+    seeds differ, which keep the unpaired one."""
+    base = reference.startswith("base")
+    unpaired: dict[tuple[str, str], str] = {}  # (row, dataset) whose seed set is not the reference's
     out = []
     for row in rows:
         cells: list[tables.Cell] = []
@@ -404,7 +412,10 @@ def difference_table(
                 continue
             a, seeds = pv.values(row, ds, [k])
             b, ref_seeds = pv.values(reference, ds, [k])
-            interval = bootstrap.difference(a[..., 0], b[..., 0], ref_is_base=reference.startswith("base"))
+            pair = paired and not base and seeds == ref_seeds
+            if paired and not base and not pair:
+                unpaired[(row, ds)] = f"{row} on {ds} (seeds {seeds} vs {ref_seeds})"
+            interval = bootstrap.difference(a[..., 0], b[..., 0], ref_is_base=base, paired=pair)
             cells.append(Diff(interval, len(seeds), len(ref_seeds), len(asked)))
         out.append((row, cells))
     diffs = [
@@ -431,11 +442,26 @@ def difference_table(
             "Smallest difference detectable with 80% power (two-sided 5%), median over rows: "
             + "; ".join(mdes)
         )
+    if paired and not base:
+        table.notes.append(
+            f"Intervals paired by training seed (--paired-seeds), each row against {reference} on the same "
+            "seeds: the seed noise is that of the per-seed differences"
+        )
+    if unpaired:
+        table.notes.append(
+            "Unpaired (each side's own seed noise), the seed sets differing from the reference's: "
+            + "; ".join(unpaired.values())
+        )
     return table
 
 
 def primary_section(
-    pv: ProblemValues, primary: tuple[str, str, int], ref_row: str, trained_rows: Sequence[str], asked
+    pv: ProblemValues,
+    primary: tuple[str, str, int],
+    ref_row: str,
+    trained_rows: Sequence[str],
+    asked,
+    paired: bool = False,
 ) -> str:
     """The comparison declared before the run (``--primary``), alone: a family of one, so no correction,
     with its p-value and the smallest difference the study could detect at 80% power."""
@@ -449,15 +475,25 @@ def primary_section(
     # computed as in the table against the reference (the pair's own seed noise), then taken out of its
     # family
     others = [r for r in trained_rows if r != ref_row]
-    t = difference_table(pv, others, ref_row, [(ds, k)], asked, name="primary", title="primary comparison")
+    t = difference_table(
+        pv, others, ref_row, [(ds, k)], asked, name="primary", title="primary comparison", paired=paired
+    )
     cell = dict(t.rows)[row][0]
     if isinstance(cell, Diff):
         cell = replace(cell, holm=False)
     else:
         raise ReportError(f"--primary {method}|{ds}|{k}: no difference to report {cell}")
     i = cell.interval
+    how = "Cochran-Cox t"
+    if paired:
+        seeds, ref_seeds = pv.values(row, ds, [k])[1], pv.values(ref_row, ds, [k])[1]
+        how += (
+            ", paired by training seed"
+            if seeds == ref_seeds
+            else f", unpaired: seeds {seeds} vs the reference's {ref_seeds}"
+        )
     power = (
-        f"p = {i.p:.3f} (two-sided, Cochran-Cox t, {i.df:.0f} effective df); the smallest difference this "
+        f"p = {i.p:.3f} (two-sided, {how}, {i.df:.0f} effective df); the smallest difference this "
         f"study could detect at {bootstrap.POWER:.0%} power: {i.mde:.3f}"
         if i.has_interval
         else "no interval: one training seed"
@@ -705,6 +741,7 @@ def make_report(
     min_seeds: int = 5,
     primary: tuple[str, str, int] | None = None,
     lost_threshold: float = moved.LOST_THRESHOLD,
+    paired_seeds: bool = False,
 ) -> Report:
     if not 0 < lost_threshold <= 1:
         raise ReportError(f"--lost-threshold must be in (0, 1], not {lost_threshold}")
@@ -762,14 +799,32 @@ def make_report(
             f"`{tables.MARKER}`: the interval excludes 0; `{tables.HOLM}`: it survives Holm's correction "
             "over the table's family. " + NOISE_SENTENCE
         )
+        # --paired-seeds: the reference table says which interval each row got; against the start model,
+        # which has no training seed, the interval stays the unpaired one and its caption says so
+        how_ref, how_base = how, how
+        if paired_seeds:
+            how_ref = (
+                f"Cells: mean difference over problems and training seeds with its {bootstrap.LEVEL:.0%} t "
+                "interval paired by training seed (--paired-seeds: problem noise, and the seed noise of the "
+                "per-seed differences of the two rows' runs, see analysis/bootstrap.py), for a row run on "
+                "the reference's seeds; a row whose seeds differ keeps the unpaired interval (each side's "
+                "own seed noise), named below the table; a side with one training seed gets none. "
+                f"`{tables.MARKER}`: the interval excludes 0; `{tables.HOLM}`: it survives Holm's "
+                "correction over the table's family. " + NOISE_SENTENCE
+            )
+            how_base = how.replace(
+                "not pooled over the table:",
+                "not pooled over the table; unpaired, the start model has no training seed:",
+            )
         ref_row = load.METHOD_NAMES.get(reference, reference)
         if ref_row in trained_rows:
             others = [r for r in trained_rows if r != ref_row]
             t = difference_table(
                 pv, others, ref_row, columns, asked,
                 name="diff_vs_reference", title=f"each method minus {ref_row}: pass@1 and pass@k",
+                paired=paired_seeds,
             )  # fmt: skip
-            add(t, f"Differences against {ref_row}", how)
+            add(t, f"Differences against {ref_row}", how_ref)
         else:
             split = [r for r in trained_rows if r.startswith(f"{ref_row} [")]
             why = (
@@ -780,13 +835,13 @@ def make_report(
             )
             notes.append(f"no differences against {ref_row!r}: {why}")
         if primary is not None:
-            sections.insert(0, primary_section(pv, primary, ref_row, trained_rows, asked))
+            sections.insert(0, primary_section(pv, primary, ref_row, trained_rows, asked, paired_seeds))
         if len(base_rows) == 1:
             t = difference_table(
                 pv, trained_rows, base_rows[0], columns, asked,
                 name="diff_vs_base", title="each method minus the start model (base): pass@1 and pass@k",
             )  # fmt: skip
-            add(t, "Differences against the start model", how)
+            add(t, "Differences against the start model", how_base)
         else:
             notes.append(f"no differences against base: {len(base_rows)} base rows (one start model needed)")
         pairs = moved_pairs(ref_row, trained_rows, base_rows)
@@ -915,6 +970,11 @@ def make_report(
             f"and seeds, `{tables.MARKER}` where the interval excludes 0, `{tables.HOLM}` where the "
             f"difference also survives Holm's correction over its table. {NOISE_SENTENCE}\n"
         )
+        if paired_seeds and "diff_vs_reference" in made:
+            head += (
+                f"Differences against {ref_row} are paired by training seed (--paired-seeds) for the rows "
+                "run on its seeds; the other rows, and the differences against the start model, are not.\n"
+            )
     note_text = "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""
     # Included files (another sage-report, a measurement, a written reading) follow verbatim.
     included = "".join("\n" + Path(f).read_text() for f in includes)
@@ -980,6 +1040,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the one comparison declared before the run, 'METHOD|DATASET|K' (a preset or row name, minus "
         "--reference, at pass@K): reported first, with its own interval and p-value, outside the tables' "
         "families",
+    )
+    p.add_argument(
+        "--paired-seeds",
+        action="store_true",
+        help="differences between trained rows run on the same training seeds get the interval paired by "
+        "seed (analysis/bootstrap.py: rows sharing seeds share much of their seed noise); rows whose seeds "
+        "differ, and differences against the start model, keep the unpaired one (the report says which)",
     )
     p.add_argument(
         "--lost-threshold",
@@ -1077,6 +1144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_seeds=args.min_seeds,
             primary=args.primary,
             lost_threshold=args.lost_threshold,
+            paired_seeds=args.paired_seeds,
         )
     except ReportError as e:
         print(f"sage-report: {e}", file=sys.stderr)

@@ -232,6 +232,133 @@ def test_the_interval_holds_its_level_at_few_seeds_and_unequal_seed_noise(seeds,
         assert np.mean(boot) < 0.93, np.mean(boot)  # what the report showed before: too narrow
 
 
+# ------------------------------------------------------------------ differences paired by training seed
+def test_the_paired_interval_by_hand():
+    """3 seeds x 2 problems. The reference's seeds move whole runs: [[.3, .3], [.1, .1], [.5, .5]]; the method
+    is the reference plus z = [[.1, .3], [.2, .4], [.3, .5]], the same seed on the same row. Paired, only z
+    counts: its seed means .2, .3, .4 (variance .01, on 2 df), over 3 seeds: seed part .01 / 3; z is additive
+    (.1 + seed + problem), so its residuals are 0 and its problem means .2, .4 keep their whole spread .02,
+    over 2 problems: problem part .01, on 1 df. Cochran-Cox: (.01/3 t(.975, 2) + .01 t(.975, 1)) / (.04/3)."""
+    ref = np.array([[0.3, 0.3], [0.1, 0.1], [0.5, 0.5]])
+    z = np.array([[0.1, 0.3], [0.2, 0.4], [0.3, 0.5]])
+    i = bootstrap.difference(ref + z, ref, paired=True)
+    t2, t1 = 4.302652729911275, 12.706204736174694  # t(.975, 2), t(.975, 1)
+    crit = (0.01 / 3 * t2 + 0.01 * t1) / (0.04 / 3)
+    se = (0.04 / 3) ** 0.5
+    assert i.diff == pytest.approx(0.3) and i.se == pytest.approx(se)
+    assert (i.lo, i.hi) == pytest.approx((0.3 - crit * se, 0.3 + crit * se))
+    assert stats.t.ppf(0.975, i.df) == pytest.approx(crit) and 1 < i.df < 2
+    # the residual noise of the differences leaves the problem part: z + [[0, e], [0, -e], [0, 0]] has
+    # residuals e/2 x [[-1, 1], [1, -1], [0, 0]] on 2 x 1 df, variance e^2 / 2; its seed means .2+e/2, .3-e/2,
+    # .4; its problem means .2, .4 (unchanged): problem part (.02 - e^2 / 2 / 3) / 2
+    e = 0.1
+    noisy = bootstrap.difference(ref + z + np.array([[0, e], [0, -e], [0, 0]]), ref, paired=True)
+    means = np.array([0.2 + e / 2, 0.3 - e / 2, 0.4])
+    assert noisy.se == pytest.approx((means.var(ddof=1) / 3 + (0.02 - e**2 / 6) / 2) ** 0.5)
+    # one seed pair: nothing measures the difference's seed noise
+    assert not bootstrap.difference(ref[:1] + z[:1], ref[:1], paired=True).has_interval
+    with pytest.raises(ValueError, match="not paired by seed: 3 seeds and 2 reference seeds"):
+        bootstrap.difference(ref + z, ref[:2], paired=True)
+    with pytest.raises(ValueError, match="start model has no training seed"):
+        bootstrap.difference(ref + z, ref[:1], ref_is_base=True, paired=True)
+
+
+def test_pairing_narrows_the_interval_when_seed_effects_are_shared():
+    """Seeds move both rows' runs together (reference run means .3, .1, .5; the method's .48, .3, .72): their
+    per-seed differences .18, .2, .22 vary far less than either row (variances .0004 against .04 and .0444).
+    The problems add nothing (every problem moved alike), so both intervals are t intervals on 2 df and their
+    widths are in the ratio of the seed parts' roots, sqrt(.0004 / (.04 + .0444)): the paired one excludes 0
+    (t = .2 / sqrt(.0004 / 3) = 17.3), the unpaired one does not (1.19)."""
+    ref = np.array([[0.3, 0.3], [0.1, 0.1], [0.5, 0.5]])
+    method = ref + np.array([[0.18, 0.18], [0.2, 0.2], [0.22, 0.22]])
+    paired = bootstrap.difference(method, ref, paired=True)
+    unpaired = bootstrap.difference(method, ref)
+    assert paired.diff == unpaired.diff == pytest.approx(0.2)
+    assert (paired.se, unpaired.se) == pytest.approx(((0.0004 / 3) ** 0.5, (0.0844 / 3) ** 0.5))
+    assert paired.df == pytest.approx(2) and unpaired.df == pytest.approx(2)
+    width = lambda i: i.hi - i.lo  # noqa: E731
+    assert width(paired) / width(unpaired) == pytest.approx((0.0004 / 0.0844) ** 0.5)
+    assert paired.marked and not unpaired.marked
+    # the default stays the unpaired interval
+    assert bootstrap.difference(method, ref, paired=False) == unpaired
+
+
+PAIRED_NOISE = {"seed noise": SEED_NOISE, "problem noise": PROBLEM_NOISE}
+RHOS, SCALES = (0.0, 0.5, 0.9, 0.95), (1, 2, 4)
+# At 2 seeds the seed part has 1 df, and Cochran-Cox's critical value covers less than 95% when the problem
+# part is a few percent of it (integrated numerically: 93.9% at a problem part 2.5% of the seed part; from
+# 3 seeds on, 95.0%): these studies' counts put 0.93 at least 3.9 binomial SDs below the coverage a cell
+# can have (at 2 seeds 10000 studies, SD 0.0024 about 0.939; from 3 seeds on SD <= 0.0049 about 0.95).
+PAIRED_STUDIES = {2: 10_000, 3: 3_000, 5: 2_000, 8: 2_000}
+
+
+def simulate_pairs(seeds, studies, rng, sd, rho, scale, problems=200):
+    """(method, reference) arrays of ``studies`` studies, each (studies, seeds, problems), under a true null,
+    the model of ``simulate`` with both rows run on the same seeds: a seed's effect on the whole run and its
+    per-(seed, problem) noise correlate at ``rho`` between the rows, the method's SD ``scale`` x the
+    reference's. Vectorised over studies: the paired interval sees only each study's differences."""
+    sd_alpha, sd_b, sd_e = sd
+
+    def correlated(shape, sd):
+        x, y = rng.standard_normal(shape), rng.standard_normal(shape)
+        return scale * sd * (rho * x + (1 - rho**2) ** 0.5 * y), sd * x
+
+    b, b_ref = correlated((studies, seeds, 1), sd_b)
+    e, e_ref = correlated((studies, seeds, problems), sd_e)
+    a = rng.normal(0, 0.25, (studies, 1, problems))
+    alpha = rng.normal(0, sd_alpha, (2, studies, 1, problems))
+    return a + alpha[0] + b + e, a + alpha[1] + b_ref + e_ref
+
+
+def paired_intervals(values, ref):
+    """``difference(..., paired=True)``'s (lo, hi) for each study, vectorised (the test checks it against the
+    function on a share of the studies)."""
+    _, seeds, problems = values.shape
+    z = values - ref
+    seed_part = z.mean(axis=2).var(axis=1, ddof=1) / seeds
+    resid = z - z.mean(axis=2, keepdims=True) - z.mean(axis=1, keepdims=True)
+    resid += z.mean(axis=(1, 2), keepdims=True)
+    resid_var = (resid**2).sum(axis=(1, 2)) / ((seeds - 1) * (problems - 1))
+    problem_part = np.maximum(0.0, z.mean(axis=1).var(axis=1, ddof=1) - resid_var / seeds) / problems
+    var = seed_part + problem_part
+    t_seed, t_problem = stats.t.ppf(0.975, seeds - 1), stats.t.ppf(0.975, problems - 1)
+    half = (seed_part * t_seed + problem_part * t_problem) / var * var**0.5
+    diff = values.mean(axis=(1, 2)) - ref.mean(axis=(1, 2))
+    return diff - half, diff + half
+
+
+@pytest.mark.parametrize("seeds", [2, 3, 5, 8])
+def test_the_paired_interval_holds_its_level_with_seed_effects_shared_across_rows(seeds):
+    """Simulated studies of two rows on the same seeds, under a true null, in every cell of: the rows' seed
+    effects correlated at 0, .5, .9 and .95; the method's seed SD 1x, 2x and 4x the reference's; seed noise
+    or problem noise dominant (the regimes of ``simulate``). The 95% paired interval covers 0 in at least 93%
+    of studies in each cell, and its median width is within 1.5x of the oracle's (the true variance of the
+    difference, t quantile on seeds - 1 df)."""
+    studies = PAIRED_STUDIES[seeds]
+    coverage, ratio = {}, {}
+    for name, sd in PAIRED_NOISE.items():
+        for rho in RHOS:
+            for scale in SCALES:
+                rng = np.random.default_rng([seeds, len(name), int(100 * rho), scale])
+                values, ref = simulate_pairs(seeds, studies, rng, sd, rho, scale)
+                lo, hi = paired_intervals(values, ref)
+                for s in range(20):  # the vectorised intervals are the function's
+                    i = bootstrap.difference(values[s], ref[s], paired=True)
+                    assert (i.lo, i.hi) == pytest.approx((lo[s], hi[s]), rel=1e-9, abs=1e-12)
+                cell = (name, rho, scale)
+                coverage[cell] = float(np.mean((lo <= 0) & (0 <= hi)))
+                # Var(diff) = sigma_g^2 / P + (sigma_c^2 + sigma_u^2 / P) / S, each c and u of variance
+                # (1 + scale^2 - 2 rho scale) x the reference's
+                shared = 1 + scale**2 - 2 * rho * scale
+                problems = values.shape[2]
+                var = 2 * sd[0] ** 2 / problems + shared * (sd[1] ** 2 + sd[2] ** 2 / problems) / seeds
+                oracle = 2 * stats.t.ppf(0.975, seeds - 1) * var**0.5
+                ratio[cell] = float(np.median(hi - lo)) / oracle
+    worst = min(coverage, key=coverage.get)
+    assert coverage[worst] >= 0.93, (worst, coverage)
+    assert max(ratio.values()) <= 1.5, ratio
+
+
 def test_curve_band_and_its_ks():
     rng = np.random.default_rng(6)
     values = rng.random((3, 40, 2))
@@ -455,6 +582,61 @@ def test_report_intervals_from_the_logged_matrices(synth):
     band = "bands: 95% bootstrap interval over problems and training seeds"
     band += " (mean ± std over seeds for DAPO w/o KL)"  # its run logged a curve but no matrices
     assert band in md
+
+
+def logged_values(method: str, k: int) -> np.ndarray:
+    """(seeds, problems) per-problem pass@k of a method's trained runs, from the matrices the store holds."""
+    return np.stack([bootstrap.per_problem_pass_at_k(matrices(method, s), [k])[0] for s in SYNTH[method]])
+
+
+def test_report_paired_seeds_and_the_primarys_power(synth):
+    """--paired-seeds: a row run on the reference's seeds (GRPO w/o KL, GRPO + Branch: 1, 2, 3) gets
+    difference(..., paired=True) on the same arrays; one whose seeds differ (forward KL: seed 1) keeps the
+    unpaired interval, named in one line below the table; against the start model nothing changes. The
+    text around the tables says which interval each got, and the primary states its interval, which, and
+    the smallest difference it would detect at 80% power, paired or not."""
+    primary = ("grpo_nokl", DS, 16)
+    rep = make(synth, "paired", paired_seeds=True, primary=primary)
+    plain = make(synth, "unpaired_primary", primary=primary)
+    vs_grpo, plain_grpo = rep.tables["diff_vs_reference"], plain.tables["diff_vs_reference"]
+    for k in KS:
+        column = f"{DS} pass@{k}"
+        ref = logged_values("grpo", k)
+        for method, row in (("grpo_nokl", "GRPO w/o KL"), ("grpo_branch", "GRPO + Branch")):
+            values = logged_values(method, k)
+            assert vs_grpo.cell(row, column).interval == bootstrap.difference(values, ref, paired=True)
+            assert plain_grpo.cell(row, column).interval == bootstrap.difference(values, ref)
+        fkl = vs_grpo.cell("GRPO + forward KL", column)
+        assert fkl.interval == bootstrap.difference(logged_values("grpo_fkl", k), ref)
+        assert rep.tables["diff_vs_base"].rows == plain.tables["diff_vs_base"].rows
+    # the seeds move both rows' runs together (the same jitter): pairing removes it, the interval narrows
+    nokl, plain_nokl = (t.cell("GRPO w/o KL", f"{DS} pass@1").interval for t in (vs_grpo, plain_grpo))
+    assert nokl.diff == plain_nokl.diff and nokl.hi - nokl.lo < plain_nokl.hi - plain_nokl.lo
+
+    md = rep.markdown
+    section = md.split("## Differences against GRPO\n")[1].split("\n## ")[0]
+    assert "interval paired by training seed (--paired-seeds:" in section
+    note = "- Intervals paired by training seed (--paired-seeds), each row against GRPO on the same seeds"
+    assert note in section
+    unpaired = [line for line in section.splitlines() if line.startswith("- Unpaired")]
+    assert unpaired == [
+        "- Unpaired (each side's own seed noise), the seed sets differing from the reference's: "
+        f"GRPO + forward KL on {DS} (seeds [1] vs [1, 2, 3])"
+    ]
+    base = md.split("## Differences against the start model\n")[1].split("\n## ")[0]
+    assert "unpaired, the start model has no training seed" in base and "Intervals paired" not in base
+    assert "Differences against GRPO are paired by training seed (--paired-seeds) for the rows run on" in md
+    assert "paired" not in plain.markdown.split("## Which problems moved")[0]  # the default is unchanged
+
+    # the primary: its own interval, which one, and its smallest detectable difference at 80% power
+    at_16 = [t.cell("GRPO w/o KL", f"{DS} pass@16").interval for t in (vs_grpo, plain_grpo)]
+    for r, i, how in zip((rep, plain), at_16, ("paired by training seed, ", ""), strict=True):
+        first = r.markdown.split("\n## ")[1]
+        assert first.startswith("Primary comparison (declared before the run)")
+        assert f"(two-sided, Cochran-Cox t, {how}{i.df:.0f} effective df)" in first
+        assert f"the smallest difference this study could detect at 80% power: {i.mde:.3f}" in first
+        assert i.has_interval and i.mde > 0
+    assert report.parse_args(["--paired-seeds"]).paired_seeds and not report.parse_args([]).paired_seeds
 
 
 def test_report_options_reference_seed_and_no_bootstrap(synth, capsys):
