@@ -54,6 +54,7 @@ VLLM_PROMPTS, VLLM_SAMPLES, VLLM_REPEATS = 30, 8, 5
 # over 64 sequences of the 0.5B model in float32 make each step minutes long on a CPU. vLLM's engine has
 # run a forward pass when it is built (it sizes its KV cache from one), so the first step is not a warm-up.
 REAL_PROMPTS, REAL_GENERATIONS, REAL_TOKENS, REAL_STEPS = 8, 8, 32, 1
+ENGINE_PROMPTS, ENGINE_SAMPLES, ENGINE_TOKENS = 16, 8, 128
 
 
 def _per_problem_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new: int) -> int:
@@ -510,7 +511,9 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
-def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int) -> dict[str, list[float]]:
+def _real_step_times(
+    rollout: str, model: str, dataset, steps: int, tokens: int, engine: dict
+) -> dict[str, list[float]]:
     """Per optimiser step of one ``rollout`` ("hf" or "vllm"): the step's wall seconds, its rollout's (the
     generation, and for vllm the adapter hand-over apart), and CPU seconds per wall second during the
     rollout of this process and of the engine's processes."""
@@ -532,7 +535,12 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
         "handover": [],
         "cpu_per_wall": [],
         "others_cpu_per_wall": [],
+        "forward": [],
+        "backward": [],
+        "engine_cpu_per_wall_in_loss": [],
     }
+    parts = {"forward": 0.0, "backward": 0.0, "engine_cpu": 0.0}
+    available: list[int] = []  # the machine's available memory after each loss pass
     me, engine = psutil.Process(), []
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
@@ -562,7 +570,14 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
         )
         rollout_func = None
         if rollout == "vllm":
-            rollout_func = VllmRollout(args, lora, dtype="float32", cpu_memory_utilization=0.3)
+            # as sage-train builds it under rollout=vllm (conf/rollout/vllm.yaml): its dtype and memory share
+            rollout_func = VllmRollout(
+                args,
+                lora,
+                dtype=engine["dtype"],
+                engine_dtype=engine["engine_dtype"],
+                cpu_memory_utilization=engine["cpu_memory_utilization"],
+            )
 
         class Steps(TrainerCallback):
             """Each step's wall seconds, and the CPU seconds per wall second that processes other than this
@@ -575,6 +590,12 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
             def on_step_end(self, args, state, control, **kwargs):
                 now, others = time.perf_counter(), _others_cpu_seconds([me, *engine])
                 times["step"].append(now - self.started)
+                passes = parts["forward"] + parts["backward"]
+                times["engine_cpu_per_wall_in_loss"].append(parts["engine_cpu"] / max(passes, 1e-9))
+                for part in parts:
+                    if part != "engine_cpu":
+                        times[part].append(parts[part])
+                    parts[part] = 0.0
                 times["others_cpu_per_wall"].append((others - self.others) / (now - self.started))
                 self.started, self.others = now, others
 
@@ -615,21 +636,36 @@ def _real_step_times(rollout: str, model: str, dataset, steps: int, tokens: int)
             trainer.vllm_generation = SimpleNamespace(sync_weights=timed_sync)
         else:
             trainer._generate_single_turn = timed
+        # the rest of the step, split: the loss passes' forward and their backward (what both backends
+        # should spend alike), and the completions' mean length (the same work needs the same lengths)
+        for name, owner in (("forward", trainer), ("backward", trainer.accelerator)):
+            method = getattr(owner, "compute_loss" if name == "forward" else "backward")
+
+            def timed_part(*a, _method=method, _name=name, **kw):
+                t0, engine0 = time.perf_counter(), _cpu_seconds(engine)
+                try:
+                    return _method(*a, **kw)
+                finally:
+                    parts[_name] += time.perf_counter() - t0
+                    parts["engine_cpu"] += _cpu_seconds(engine) - engine0
+                    available.append(psutil.virtual_memory().available)
+
+            setattr(owner, "compute_loss" if name == "forward" else "backward", timed_part)
         try:
             trainer.train()
         finally:
             if rollout_func is not None:
                 rollout_func.close()
+        times["available_gib_in_loss"] = [min(available) / 2**30] if available else []
+        times["completion_length"] = [
+            h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
+        ]
     return times
 
 
-def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> dict[str, float | str]:
-    """The real 0.5B model's GRPO step with each rollout backend, one after the other in this process, on
-    the same prompts (the shortest level-1 MATH-500 problems), group size, length and seed; medians over the
-    steps. ``rest`` is the step without its rollout and hand-over: the scoring, the log-prob passes,
-    backward and the optimiser. It is the same work for both: under rollout=vllm the importance-sampling
-    correction's ratio comes from the training forward (one generation batch per optimiser step), not from
-    TRL's extra log-prob pass over the rollouts (sage.train.trainer)."""
+def _real_backend(backend: str, steps: int, tokens: int) -> dict[str, list[float]]:
+    """``_real_step_times`` of one backend on the real model and the bench's prompts (run in a process of
+    its own by :func:`bench_real_rollout`)."""
     import json as _json
 
     from datasets import Dataset
@@ -643,19 +679,56 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct"])
+        cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct", "rollout=vllm"])
     model = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
     rows = [_json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()]
     easy = sorted((r for r in rows if r.get("level") == 1), key=lambda r: len(r["problem"]))[:REAL_PROMPTS]
     dataset = Dataset.from_list(
         [{"prompt": make_prompt(r["problem"], True), "answer": r["answer"]} for r in easy]
     )
+    engine = {k: cfg.rollout_func[k] for k in ("dtype", "engine_dtype", "cpu_memory_utilization")}
+    return _real_step_times(
+        backend,
+        model,
+        dataset,
+        steps,
+        tokens,
+        {k: str(v) if "dtype" in k else float(v) for k, v in engine.items()},
+    )
+
+
+def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> dict[str, float | str]:
+    """The real 0.5B model's GRPO step with each rollout backend, each in a fresh process of its own (so
+    that neither inherits the other's allocator, threads or imports), on the same prompts (the shortest
+    level-1 MATH-500 problems), group size, length and seed; medians over the steps. ``rest`` is the step
+    without its rollout and hand-over: the scoring, the loss passes' forward and backward (printed apart,
+    with the engine's CPU seconds per wall second meanwhile) and the optimiser. It is the same work for
+    both: under rollout=vllm the importance-sampling correction's ratio comes from the training forward
+    (one generation batch per optimiser step), not from TRL's extra log-prob pass over the rollouts
+    (sage.train.trainer)."""
     out: dict[str, float | str] = {
         "real_rollout_shape": f"{REAL_PROMPTS} prompts x {REAL_GENERATIONS} completions x <= {tokens} tokens"
     }
     medians = {}
     for backend in ("hf", "vllm"):
-        times = _real_step_times(backend, model, dataset, steps, tokens)
+        with tempfile.NamedTemporaryFile(suffix=".json") as result:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "sage.bench",
+                    "--real-backend",
+                    backend,
+                    "--real-out",
+                    result.name,
+                    "--real-steps",
+                    str(steps),
+                    "--real-tokens",
+                    str(tokens),
+                ],
+                check=True,
+            )
+            times = json.loads(Path(result.name).read_text())
         m = {k: statistics.median(v) for k, v in times.items() if v}
         m.setdefault("handover", 0.0)
         rest = m["step"] - m["rollout"] - m["handover"]
@@ -663,13 +736,92 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
         out[f"real_step_seconds_{backend}"] = round(m["step"], 1)
         out[f"real_rollout_seconds_{backend}"] = round(m["rollout"], 1)
         out[f"real_rest_seconds_{backend}"] = round(rest, 1)
+        out[f"real_loss_forward_seconds_{backend}"] = round(m["forward"], 1)
+        out[f"real_loss_backward_seconds_{backend}"] = round(m["backward"], 1)
+        out[f"real_completion_mean_length_{backend}"] = round(m["completion_length"], 1)
+        out[f"real_available_gib_in_loss_{backend}"] = round(m["available_gib_in_loss"], 1)
         out[f"real_rollout_cpu_per_wall_{backend}"] = round(m["cpu_per_wall"], 2)
         out[f"real_step_others_cpu_per_wall_{backend}"] = round(m["others_cpu_per_wall"], 2)
+    out["real_engine_cpu_per_wall_in_loss_vllm"] = round(medians["vllm"]["engine_cpu_per_wall_in_loss"], 2)
     out["real_handover_seconds_vllm"] = round(medians["vllm"]["handover"], 3)
     out["real_rollout_hf_over_vllm"] = round(medians["hf"]["rollout"] / medians["vllm"]["rollout"], 2)
     out["real_step_hf_over_vllm"] = round(medians["hf"]["step"] / medians["vllm"]["step"], 2)
     out["cores"] = len(os.sched_getaffinity(0))
     return out
+
+
+def _gemm_flops(dtype: torch.dtype, rows: int, inner: int, cols: int, repeats: int = 7) -> float:
+    """Median FLOP/s of ``(rows x inner) @ (inner x cols)`` in ``dtype`` on this process's threads."""
+    a, b = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
+    for _ in range(2):  # the first products pay for the kernels' selection and the pages' first touch
+        a @ b
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        seconds.append(time.perf_counter() - t0)
+    return 2 * rows * inner * cols / statistics.median(seconds)
+
+
+def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -> dict[str, float | str]:
+    """The real 0.5B model's evaluation through vLLM's engine in the dtype it serves in here
+    (``model.engine_dtype=auto``: bfloat16 on a CPU with bfloat16 arithmetic), beside this machine's
+    matrix-product limit in that dtype. The limit is the best of two products timed in this process on its
+    cores: the model's widest layer (896 x 4864) at the decode batch's rows, and a square one of 2048. The
+    evaluation's rate counts every token the engine computes (each prompt's prefill once, since vLLM
+    shares a prompt's cache among its samples, and every sampled token) at 2 x the model's matrix
+    parameters in FLOPs per token; ``engine_over_gemm_limit`` is that rate over the limit."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sage.config import engine_dtype, register_configs
+    from sage.data.benchmarks import math_data
+    from sage.eval.checkpoint import Checkpoint
+    from sage.eval.sampling import SamplingSettings, VllmSampler, tokenize_prompts
+    from sage.models import from_package_gguf
+    from sage.paths import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct", "eval.backend=vllm"])
+    dtype = engine_dtype(str(cfg.model.engine_dtype), str(cfg.model.dtype))
+    path = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
+    arch = AutoConfig.from_pretrained(path)
+    hidden, inner, layers = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
+    kv = arch.num_key_value_heads * (hidden // arch.num_attention_heads)
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner
+    matrix_params = layers * per_layer + hidden * arch.vocab_size  # the output layer's product too
+    torch_dtype = getattr(torch, dtype)
+    limit = max(
+        _gemm_flops(torch_dtype, prompts * samples, hidden, inner),
+        _gemm_flops(torch_dtype, 2048, 2048, 2048),
+    )
+    rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()][:prompts]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenize_prompts(tokenizer, [{"prompt": r["problem"]} for r in rows], chat=True)
+    eval_cfg = OmegaConf.merge(cfg.eval, {"vllm_cpu_memory_utilization": 0.1})
+    sampler = VllmSampler(Checkpoint.resolve(path), dtype, eval_cfg)
+    try:
+        settings = SamplingSettings(samples, 1.0, 1.0, ENGINE_TOKENS, chat=True, seed=0)
+        sampler.sample(ids[:2], SamplingSettings(2, 1.0, 1.0, 8, chat=True, seed=0))  # one-off costs
+        t0 = time.perf_counter()
+        out = sampler.sample(ids, settings)
+        wall = time.perf_counter() - t0
+    finally:
+        sampler.close()
+    sampled = sum(len(tokenizer(c, add_special_tokens=False).input_ids) for cs in out.completions for c in cs)
+    computed = sum(len(x) for x in ids) + sampled
+    achieved = 2 * matrix_params * computed / wall
+    return {
+        "engine_dtype": dtype,
+        "engine_shape": f"{prompts} MATH-500 prompts x {samples} samples x <= {ENGINE_TOKENS} tokens",
+        "engine_sampled_tokens_per_second": round(sampled / wall, 1),
+        "engine_gflops": round(achieved / 1e9, 1),
+        "gemm_limit_gflops": round(limit / 1e9, 1),
+        "engine_over_gemm_limit": round(achieved / limit, 2),
+        "cores": len(os.sched_getaffinity(0)),
+    }
 
 
 BENCHES = {
@@ -681,6 +833,7 @@ BENCHES = {
     "eval_processes": bench_eval_processes,
     "vllm_seeding": bench_vllm_seeding,
     "real_rollout": bench_real_rollout,
+    "engine": bench_engine,
 }
 
 
@@ -691,7 +844,15 @@ def main() -> None:
     )
     parser.add_argument("--eval-processes-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--problems", type=int, default=SHARD_PROBLEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--real-backend", choices=("hf", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--real-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--real-steps", type=int, default=REAL_STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--real-tokens", type=int, default=REAL_TOKENS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.real_backend is not None:  # one backend of bench_real_rollout, in a process of its own
+        times = _real_backend(args.real_backend, args.real_steps, args.real_tokens)
+        args.real_out.write_text(json.dumps(times))
+        return
     if args.eval_processes_worker is not None:  # one process of bench_eval_processes' launches
         _eval_processes_worker(args.eval_processes_worker, args.problems)
         return

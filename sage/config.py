@@ -139,6 +139,13 @@ class DType(StrEnum):
     float16 = "float16"
 
 
+class EngineDType(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 @dataclass
 class SFTStageConfig:
     """Supervised stage for base models; its merged output is the RL start AND the reference policy."""
@@ -157,6 +164,14 @@ class ModelConfig:
             "help": "weights' dtype; full fine-tuning (lora None) loads a half-precision model as float32 "
             "master weights trained under trl.bf16/fp16 autocast (updates of ~5e-6 vanish in bfloat16); "
             "LoRA keeps the frozen base in this dtype"
+        },
+    )
+    engine_dtype: EngineDType = field(
+        default=EngineDType.auto,
+        metadata={
+            "help": "the dtype vLLM engines (rollout=vllm, eval.backend=vllm) serve the model in; auto: "
+            "bfloat16 where this machine computes it (a GPU with bfloat16, or a CPU with AVX512-BF16 or "
+            "AMX), as the cluster's engines do, else model.dtype (sage.config.engine_dtype)"
         },
     )
     lora: Any = field(default=None, metadata={"help": "peft.LoraConfig (conf/peft/); None: full fine-tuning"})
@@ -415,7 +430,7 @@ def validate(cfg: DictConfig) -> None:
         check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
     if cfg.eval.at_end or cfg.eval.every_steps:
-        check_backend(cfg.eval, str(cfg.model.dtype))
+        check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     resume_mode(cfg.resume)
     check_callbacks(cfg)
     check_optimisers(cfg)
@@ -547,8 +562,33 @@ def check_vllm(what: str, dtype: str) -> None:
         # ("RPC call to execute_model timed out") and the run dies after the training it followed.
         raise ConfigError(
             f"model.dtype=bfloat16 with {what}: this CPU has no bfloat16 arithmetic (no AVX512-BF16 or "
-            "AMX), so vLLM's CPU build would emulate it and time out; set model.dtype=float32"
+            "AMX), so vLLM's CPU build would emulate it and time out; set model.engine_dtype=float32 (and "
+            "model.dtype=float32 for training)"
         )
+
+
+def engine_dtype(engine: str, model_dtype: str) -> str:
+    """The dtype a vLLM engine serves the model in: ``engine`` (``model.engine_dtype``) as set, or for
+    ``auto`` bfloat16 where this machine computes it, else ``model_dtype``. Engines run in bfloat16 on the
+    cluster: an engine in the same dtype here meets the same engine/trainer mismatch in the
+    importance-sampling correction, and the CPU's bfloat16 matrix products are the faster ones."""
+    import torch
+
+    if str(engine) != "auto":
+        return str(engine)
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else str(model_dtype)
+    return "bfloat16" if cpu_computes_bfloat16() else str(model_dtype)
+
+
+def sampling_dtype(model_cfg, eval_cfg) -> str:
+    """The dtype the evaluation samples in: the engine's under ``eval.backend=vllm``, else the model's."""
+    model_dtype = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
+    if eval_cfg.backend == "vllm":
+        return engine_dtype(
+            str(getattr(model_cfg.engine_dtype, "value", model_cfg.engine_dtype)), model_dtype
+        )
+    return model_dtype
 
 
 def check_backend(eval_cfg, dtype: str) -> None:

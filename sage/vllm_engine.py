@@ -96,6 +96,7 @@ def build_llm(
 
         vllm_worker.install()
         device = {"enforce_eager": True, "gpu_memory_utilization": cpu_memory_utilization}
+    log.info("vLLM engine: %s in %s", model, dtype)
     with own_gpu(tensor_parallel_size), cpu_binding():
         return LLM(
             model=model,

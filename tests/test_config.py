@@ -244,12 +244,40 @@ def test_vllm_in_bfloat16_on_a_cpu_without_bfloat16_is_refused_before_training(m
     bf16 = ("model=qwen2.5-math-1.5b-instruct", "model.dtype=bfloat16")
     with pytest.raises(ConfigError) as e:
         validate(cfg_for(*bf16, "eval.backend=vllm"))
-    assert "\n" not in str(e.value) and "set model.dtype=float32" in str(e.value)
+    assert "\n" not in str(e.value) and "set model.engine_dtype=float32" in str(e.value)
     validate(cfg_for(*bf16, "eval.backend=vllm", "eval.at_end=false"))  # no engine is ever built
     validate(cfg_for(*bf16, "eval.backend=hf"))
     validate(cfg_for("model=qwen2.5-math-1.5b-instruct", "model.dtype=float32", "eval.backend=vllm"))
     monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: True)
     validate(cfg_for(*bf16, "eval.backend=vllm"))
+
+
+def test_engines_run_in_bfloat16_where_the_machine_computes_it(monkeypatch):
+    """model.engine_dtype=auto (the default): vLLM engines serve in bfloat16 on a CPU with bfloat16
+    arithmetic, as the cluster's do, else in model.dtype; a set value is kept; the evaluation's sampling
+    dtype is the engine's under eval.backend=vllm and the model's under hf, and sage-eval's settings key
+    follows it (a bfloat16 evaluation is not a float32 one)."""
+    import sage.config as config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: True)
+    assert config.engine_dtype("auto", "float32") == "bfloat16"
+    assert config.engine_dtype("float32", "float32") == "float32"
+    cfg = cfg_for("model=qwen2.5-coder-0.5b-instruct", "eval.backend=vllm")
+    assert cfg.model.engine_dtype == "auto" and cfg.model.dtype == "float32"
+    assert config.sampling_dtype(cfg.model, cfg.eval) == "bfloat16"
+    assert config.sampling_dtype(cfg.model, cfg_for("eval.backend=hf").eval) == "float32"
+    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: False)
+    assert config.engine_dtype("auto", "float32") == "float32"
+    assert config.engine_dtype("auto", "bfloat16") == "bfloat16"  # then refused by check_vllm, above
+    assert config.sampling_dtype(cfg.model, cfg.eval) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert config.engine_dtype("auto", "float32") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert config.engine_dtype("auto", "float16") == "float16"
+    with pytest.raises((ConfigCompositionException, ValidationError), match="engine_dtype"):
+        cfg_for("model.engine_dtype=int8")
 
 
 def test_wrong_type_and_unknown_key_and_bad_enum_fail_at_composition():

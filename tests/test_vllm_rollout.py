@@ -142,7 +142,7 @@ def train_checked(tmp, lora: LoraConfig | None, model: str | None = None):
 
     import_grpo_trainer(use_vllm=True)
     args = grpo_args(tmp)
-    rollout = CheckedRollout(args, lora, dtype="float32", cpu_memory_utilization=0.1)
+    rollout = CheckedRollout(args, lora, dtype="float32", engine_dtype="float32", cpu_memory_utilization=0.1)
     trainer = SageGRPOTrainer(
         model=model or build_tiny_model(),
         reward_funcs=[length_reward],
@@ -367,7 +367,7 @@ def test_under_the_papers_sampling_the_policy_gradient_is_not_shrunk(tmp_path):
     import_grpo_trainer(use_vllm=True)
     lora = LoraConfig(**{**LORA, "r": 8})
     args = grpo_args(tmp_path / "a", beta=0.0, temperature=1.0, top_p=1.0, min_p=0.01)
-    engine = Recorded(args, lora, dtype="float32", cpu_memory_utilization=0.1)
+    engine = Recorded(args, lora, dtype="float32", engine_dtype="float32", cpu_memory_utilization=0.1)
     try:
         corrected, trainer = one_step_grad_norm(tmp_path / "vllm", engine, lora)
     finally:
@@ -408,7 +408,13 @@ def test_what_vllm_cannot_serve_as_an_adapter_is_refused_in_one_line(tmp_path, l
 
 
 def test_a_servable_adapter_is_accepted_without_starting_an_engine(tmp_path):
-    rollout = VllmRollout(args_for(tmp_path), LoraConfig(**LORA), dtype="float32", cpu_memory_utilization=0.1)
+    rollout = VllmRollout(
+        args_for(tmp_path),
+        LoraConfig(**LORA),
+        dtype="float32",
+        engine_dtype="float32",
+        cpu_memory_utilization=0.1,
+    )
     assert rollout.llm is None and rollout.rank == RANK
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), model=SimpleNamespace(training=True))
     trainer.accelerator = SimpleNamespace(process_index=1)

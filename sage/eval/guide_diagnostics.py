@@ -55,6 +55,7 @@ from sage.config import (
     exit_on_config_error,
     instantiate_node,
     register_configs,
+    sampling_dtype,
 )
 from sage.paths import CONF_DIR
 
@@ -565,7 +566,7 @@ def register_diagnostics_configs() -> None:
 def check(cfg: DictConfig) -> None:
     """The settings' rules, before any model is loaded; each failure one line naming its key."""
     check_sampling(cfg.eval)
-    check_backend(cfg.eval, cfg.model.dtype.value)
+    check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     if cfg.eval.n_samples < 1:
         raise ConfigError(f"eval.n_samples must be >= 1 (got {cfg.eval.n_samples})")
     if cfg.eval.limit is not None and cfg.eval.limit < 1:
@@ -599,7 +600,9 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
     max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
     n = cfg.eval.n_samples
 
-    sampler = open_sampler(checkpoint, tokenizer, dtype=dtype, eval_cfg=cfg.eval)
+    sampler = open_sampler(
+        checkpoint, tokenizer, dtype=sampling_dtype(cfg.model, cfg.eval), eval_cfg=cfg.eval
+    )
     try:
         log.info("sampling %d problems x %d solutions (%s backend)", len(rows), n, cfg.eval.backend)
         solutions = sample_solution_ids(

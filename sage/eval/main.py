@@ -37,6 +37,7 @@ from sage.config import (
     exit_on_config_error,
     instantiate_node,
     register_configs,
+    sampling_dtype,
 )
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
@@ -77,7 +78,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.
     check_eval(cfg.eval)
-    check_backend(cfg.eval, cfg.model.dtype.value)
+    check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     check_store(cfg)
     if cfg.checkpoint is not None:
         check_checkpoint_folder(cfg.checkpoint)
@@ -119,7 +120,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                 chat=cfg.model.chat,
                 max_new_tokens=max_new_tokens,
                 results_dir=results_dir,
-                dtype=str(cfg.model.dtype.value),
+                dtype=sampling_dtype(cfg.model, cfg.eval),
             )
             if tracker is not None:
                 logged = tracker.client.get_run(tracker.run_id).data.metrics
@@ -165,7 +166,7 @@ def settings_key(cfg: DictConfig, model_path: str, rows: dict[str, list[dict]], 
             "top_p": float(e.top_p),
             "max_new_tokens": max_new_tokens,
             "backend": str(e.backend),
-            "dtype": str(cfg.model.dtype.value),
+            "dtype": sampling_dtype(cfg.model, cfg.eval),
             "chat": bool(cfg.model.chat),
             "ks": list(e.ks),
             "perplexity_base": e.perplexity_base,

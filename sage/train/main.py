@@ -35,6 +35,7 @@ from sage.config import (
     exit_on_config_error,
     instantiate_node,
     register_configs,
+    sampling_dtype,
     validate,
 )
 from sage.metrics import metric_name
@@ -519,7 +520,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
                     chat=cfg.model.chat,
                     max_new_tokens=max_new,
                     results_dir=rdir,
-                    dtype=str(cfg.model.dtype),
+                    dtype=sampling_dtype(cfg.model, cfg.eval),
                     pool=pool,
                 )
                 evaluated.append((label, path, res))

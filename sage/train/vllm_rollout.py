@@ -156,15 +156,20 @@ class VllmRollout(RolloutCalls):
     docstring. Built from GRPOConfig ``args`` and peft's LoraConfig ``lora``; the engine is started by
     :meth:`attach` once the trainer has built the policy."""
 
-    def __init__(self, args, lora, dtype: str, cpu_memory_utilization: float) -> None:
+    def __init__(
+        self, args, lora, dtype: str, cpu_memory_utilization: float, engine_dtype: str = "auto"
+    ) -> None:
         from sage.config import check_vllm
+        from sage.config import engine_dtype as resolve
 
         refused = refusal(lora, args)
         if refused:
             raise ConfigError(refused)
-        check_vllm("rollout=vllm", str(dtype))
+        # the engine's dtype (model.engine_dtype, sage.config.engine_dtype); the trainer's stays model.dtype
+        # (full fine-tuning keeps float32 master weights), and the correction accounts for the difference
+        self.dtype = resolve(str(engine_dtype), str(dtype))
+        check_vllm("rollout=vllm", self.dtype)
         super().__init__(args.seed)
-        self.dtype = str(dtype)  # the engine's (model.dtype): full fine-tuning keeps float32 master weights
         self.rank = None if lora is None else lora.r  # None: full fine-tuning
         self.gpu_memory_utilization = args.vllm_gpu_memory_utilization
         self.cpu_memory_utilization = cpu_memory_utilization
