@@ -21,6 +21,9 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
   x 8 completions of at most REAL_TOKENS tokens) with ``rollout=hf`` (transformers' generate inside TRL) and
   ``rollout=vllm`` (the adapter served by vLLM's CPU build), each step split into the rollout and the rest,
   with the engine's CPU seconds per wall second while it decodes;
+- engine: the real 0.5B model's evaluation through vLLM in the dtype its engines serve in here
+  (``model.engine_dtype=auto``), as FLOP/s of the tokens it computes, beside the matrix-product limit this
+  process measures in that dtype, and their ratio;
 - vllm_seeding: seconds per block (30 prompts x 8 samples, ChatML prompts long enough that prefills are
   chunked) of the vLLM CPU build with seeds per request (chunked prefill off: on, it stops with "CPU
   Generator does not use offset") and with the engine seeded per block (``VllmSampler``), interleaved.

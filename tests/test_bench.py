@@ -21,6 +21,7 @@ def test_only_names_every_section_and_refuses_others():
         "eval_processes",
         "vllm_seeding",
         "real_rollout",
+        "engine",
     ]
     assert all(f"- {name}:" in bench.__doc__ for name in bench.BENCHES)
     command = [sys.executable, "-m", "sage.bench", "--only", "train,nope"]
