@@ -775,7 +775,6 @@ def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -
     shares a prompt's cache among its samples, and every sampled token) at 2 x the model's matrix
     parameters in FLOPs per token; ``engine_over_gemm_limit`` is that rate over the limit."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
     from sage.config import engine_dtype, register_configs
@@ -802,9 +801,8 @@ def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -
     )
     rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()][:prompts]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenize_prompts(tokenizer, [{"prompt": r["problem"]} for r in rows], chat=True)
-    eval_cfg = OmegaConf.merge(cfg.eval, {"vllm_cpu_memory_utilization": 0.1})
-    sampler = VllmSampler(Checkpoint.resolve(path), dtype, eval_cfg)
+    ids = tokenize_prompts(tokenizer, rows, chat=True)
+    sampler = VllmSampler(Checkpoint.resolve(path), dtype, cfg.eval)  # as sage-eval builds it
     try:
         settings = SamplingSettings(samples, 1.0, 1.0, ENGINE_TOKENS, chat=True, seed=0)
         sampler.sample(ids[:2], SamplingSettings(2, 1.0, 1.0, 8, chat=True, seed=0))  # one-off costs
