@@ -154,11 +154,27 @@ DOSE_ARGS = -m model=tiny_fork seed=$(DOSE_SEEDS) hydra/launcher=local rollout=f
 DOSE_ARMS = grpo:experiment=grpo grpo_fork_q4:experiment=grpo_fork,guide.q=4,method=grpo_fork_q4 \
   grpo_kl_x4:experiment=grpo,divergence.beta=0.8,method=grpo_kl_x4
 
-.PHONY: reproduce-dose-response
-reproduce-dose-response: install  ## issue 48's dose-response runs (3 arms x 8 seeds), then its page's results
+# Each arm against GRPO: its runs' per-problem counts (scripts/positive_control.py --save-data), committed, from
+# which reproduce-dose-response-report rebuilds the results page without the runs or their store.
+DOSE_TREATED = grpo_fork_q4 grpo_kl_x4
+DOSE_DATA = $(RESULTS)/data/dose_response_$(1).json
+
+.PHONY: reproduce-dose-response reproduce-dose-response-report
+reproduce-dose-response: install  ## issue 48's dose-response runs (3 arms x 8 seeds), their data files and results page
 	$(call timed,dose,Dose-response: 3 arms x seeds $(DOSE_SEEDS),$(foreach arm,$(DOSE_ARMS),\
 	  $(SAGE_TRAIN) $(DOSE_ARGS) $(subst $(comma), ,$(word 2,$(subst :, ,$(arm)))) \
 	  hydra.sweep.dir=$(DOSE_SWEEP)/$(word 1,$(subst :, ,$(arm))) &&) true)
+	mkdir -p $(RESULTS)/data
+	$(foreach arm,$(DOSE_TREATED),$(POSITIVE_CONTROL) $(DOSE_SWEEP) --method $(arm) --reference grpo \
+	  --study-seeds $(DOSE_SEEDS) --paired --seeds 0 --save-data $(call DOSE_DATA,$(arm)) > /dev/null &&) true
+	$(MAKE) reproduce-dose-response-report
+
+reproduce-dose-response-report:  ## docs/results/dose_response_results.md from the committed data files alone
+	( echo "## Results (\`make reproduce-dose-response-report\`, from the committed data files)"; echo; \
+	  $(PY) scripts/dose_response.py $(foreach arm,$(DOSE_TREATED),$(call DOSE_DATA,$(arm))) && \
+	  $(foreach arm,$(DOSE_TREATED),echo && echo '```' && \
+	    $(POSITIVE_CONTROL) --data $(call DOSE_DATA,$(arm)) --paired --seeds 0 && echo '```' &&) true \
+	) > $(RESULTS)/dose_response_results.md
 
 reproduce-graded: install  ## issue 15: the base model, Tables 1/3/4/6 on the graded world, then docs/results/graded.md
 	$(call timed,total,all parts,$(MAKE) reproduce-base reproduce-table1 reproduce-table3 reproduce-table4 reproduce-table6)
