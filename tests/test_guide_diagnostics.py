@@ -227,7 +227,7 @@ def test_a_small_run_on_the_testbed_model(tmp_path):
         assert w[name]["tokens"] == round(e["above"][name]["share"] * e["tokens"])
 
     g = report["guides"]
-    assert set(g) == {"none", "random", "token", "branch", "branch_paper", "branch_p90"}
+    assert set(g) == {"none", "random", "token", "branch", "archer", "branch_paper", "branch_p90"}
     assert g["none"]["mean"] == 1.0 and g["none"]["share_gt_1"] == 0.0
     for name in ("branch", "branch_paper", "branch_p90"):
         assert g[name]["share_lt_1"] == 0.0  # branch only raises
@@ -251,6 +251,49 @@ def test_a_small_run_on_the_testbed_model(tmp_path):
     assert run.data.tags["sage.kind"] == "guide_diagnostics"
     logged = {Path(f.path).name for f in client.list_artifacts(run_id, "guide_diagnostics")}
     assert logged == {"summary.md", "diagnostics.json", "completions.html"}
+
+
+def test_stored_solutions_are_measured_without_sampling(tmp_path, monkeypatch):
+    """samples=<an evaluation cell folder>: its stored solutions are measured (no sampler is opened), under
+    every guide on the same tokens, Archer's beside Branch's; a cell whose problems the evaluation datasets
+    lack is refused in one line naming it."""
+    from sage.eval import sampling
+    from sage.eval.evaluate import load_eval_rows
+
+    rows = load_eval_rows(compose().eval.datasets, 3)["arith_heldout"]
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    ids = [str(r.get("id", r["problem"])) for r in rows]
+    settings = {
+        "n_samples": 2,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "max_new_tokens": 16,
+        "chat": False,
+        "seed": 0,
+    }
+    (cell / "meta.json").write_text(json.dumps({"ids": ids, "key": {"settings": settings}}))
+    (cell / "completions.json").write_text(json.dumps([["12+3=15", "7*8=56 so"] for _ in rows]))
+
+    def no_sampling(*a, **kw):
+        raise AssertionError("a stored cell is measured, not sampled again")
+
+    monkeypatch.setattr(sampling, "open_sampler", no_sampling)
+    cfg = compose(
+        "eval.n_samples=2", f"samples={cell}", f"output_dir={tmp_path / 'out'}", "tracking.enabled=false"
+    )
+    report = json.loads((gd.run(cfg) / "diagnostics.json").read_text())
+    assert report["settings"]["backend"] == "stored" and report["settings"]["samples"] == str(cell)
+    assert report["settings"]["temperature"] == 0.7 and report["entropy"]["solutions"] == 6
+    assert {"archer", "branch"} <= set(report["guides"])
+    assert report["guides"]["archer"]["described"].startswith("ArcherGuide")
+
+    (cell / "meta.json").write_text(json.dumps({"ids": ["no such problem"], "key": {"settings": settings}}))
+    with pytest.raises(ConfigError) as error:
+        gd.run(cfg)
+    assert "\n" not in str(error.value) and str(error.value).startswith(
+        f"samples={cell}: problem 'no such problem'"
+    )
 
 
 def test_top_texts_by_hand():

@@ -369,6 +369,37 @@ def sample_solution_ids(
     raise TypeError(f"no token ids from a {type(sampler).__name__}")
 
 
+def stored_solutions(
+    folder: Path, rows_by_dataset: dict[str, list[dict]], tokenizer, limit: int | None, n: int
+) -> tuple[list[dict], list[list[list[int]]], dict[str, Any]]:
+    """(rows, solutions' token ids, the cell's sampling settings) of a stored evaluation cell: its first
+    ``limit`` problems (all: None) and first ``n`` solutions of each, found by id among the evaluation
+    datasets' rows, each solution's text tokenised again (the stored text has no end token). Offline: the
+    same tokens can be measured under every guide, and a run's own final samples need no new sampling."""
+    for name in ("completions.json", "meta.json"):
+        if not (folder / name).is_file():
+            raise ConfigError(f"samples={folder}: no {name} there (an evaluation cell folder holds both)")
+    meta = json.loads((folder / "meta.json").read_text())
+    completions = json.loads((folder / "completions.json").read_text())
+    ids = list(meta["ids"])
+    by_id = {str(r.get("id", r["problem"])): r for rows in rows_by_dataset.values() for r in rows}
+    missing = [i for i in ids if str(i) not in by_id]
+    if missing:
+        raise ConfigError(
+            f"samples={folder}: problem {missing[0]!r} is in none of eval.datasets "
+            f"({', '.join(rows_by_dataset)}): choose the eval group the cell was evaluated on"
+        )
+    keep = len(ids) if limit is None else min(limit, len(ids))
+    rows = [by_id[str(i)] for i in ids[:keep]]
+    solutions = [
+        [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[:n]]
+        for texts in completions[:keep]
+    ]
+    key = meta.get("key")
+    settings = key.get("settings", {}) if isinstance(key, dict) else {}
+    return rows, solutions, settings
+
+
 @torch.no_grad()
 def solution_statistics(
     model, prompt_ids: Sequence[int], solution: Sequence[int]
@@ -555,6 +586,13 @@ class GuideDiagnosticsConfig:
         default=None, metadata={"help": "model or LoRA adapter folder; None: the model group's base model"}
     )
     output_dir: str | None = field(default=None, metadata={"help": "None: outputs/guide_diagnostics/<model>"})
+    samples: str | None = field(
+        default=None,
+        metadata={
+            "help": "an evaluation cell folder (<run>/eval/<label>/<dataset>/<cell>: its completions.json "
+            "and meta.json): measure those stored solutions instead of sampling new ones; None: sample"
+        },
+    )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -590,33 +628,37 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
     from sage.eval.evaluate import load_eval_rows
     from sage.eval.sampling import HFSampler, open_sampler, tokenize_prompts
 
-    rows_by_dataset = load_eval_rows(cfg.eval.datasets, cfg.eval.limit)
+    stored = cfg.get("samples")
+    rows_by_dataset = load_eval_rows(cfg.eval.datasets, None if stored else cfg.eval.limit)
     rows = [r for dataset_rows in rows_by_dataset.values() for r in dataset_rows]
     model_path = cfg.checkpoint or instantiate_node(cfg.model.source)
     checkpoint = Checkpoint.resolve(str(model_path))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
     dtype = str(cfg.model.dtype.value)
-    prompt_ids = tokenize_prompts(tokenizer, rows, cfg.model.chat)
     max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
     n = cfg.eval.n_samples
+    drawn = {"temperature": float(cfg.eval.temperature), "top_p": float(cfg.eval.top_p)}
 
-    sampler = open_sampler(
-        checkpoint, tokenizer, dtype=sampling_dtype(cfg.model, cfg.eval), eval_cfg=cfg.eval
-    )
-    try:
-        log.info("sampling %d problems x %d solutions (%s backend)", len(rows), n, cfg.eval.backend)
-        solutions = sample_solution_ids(
-            sampler,
-            prompt_ids,
-            n,
-            temperature=float(cfg.eval.temperature),
-            top_p=float(cfg.eval.top_p),
-            max_new=max_new,
-            seed=int(cfg.seed),
+    model = None
+    if stored:
+        rows, solutions, cell = stored_solutions(Path(stored), rows_by_dataset, tokenizer, cfg.eval.limit, n)
+        drawn = {k: float(cell.get(k, v)) for k, v in drawn.items()}  # how the stored ones were drawn
+        max_new = int(cell.get("max_new_tokens", max_new))
+        log.info("stored solutions of %d problems from %s", len(rows), stored)
+        prompt_ids = tokenize_prompts(tokenizer, rows, bool(cell.get("chat", cfg.model.chat)))
+    else:
+        prompt_ids = tokenize_prompts(tokenizer, rows, cfg.model.chat)
+        sampler = open_sampler(
+            checkpoint, tokenizer, dtype=sampling_dtype(cfg.model, cfg.eval), eval_cfg=cfg.eval
         )
-        model = sampler.model if isinstance(sampler, HFSampler) else None
-    finally:
-        sampler.close()  # a vLLM engine goes before the model for the forward pass is loaded
+        try:
+            log.info("sampling %d problems x %d solutions (%s backend)", len(rows), n, cfg.eval.backend)
+            solutions = sample_solution_ids(
+                sampler, prompt_ids, n, max_new=max_new, seed=int(cfg.seed), **drawn
+            )
+            model = sampler.model if isinstance(sampler, HFSampler) else None
+        finally:
+            sampler.close()  # a vLLM engine goes before the model for the forward pass is loaded
     if model is None:
         model = HFSampler.load(checkpoint, tokenizer, dtype, batch_size=1).model
 
@@ -664,11 +706,11 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
             "model_path": str(model_path),
             "datasets": list(rows_by_dataset),
             "problems": len(rows),
-            "n_samples": n,
-            "temperature": float(cfg.eval.temperature),
-            "top_p": float(cfg.eval.top_p),
+            "n_samples": max((len(x) for x in solutions), default=0),
+            **drawn,
             "max_new_tokens": max_new,
-            "backend": str(cfg.eval.backend),
+            "backend": "stored" if stored else str(cfg.eval.backend),
+            "samples": str(stored) if stored else None,
             "seed": int(cfg.seed),
             "percentile": float(cfg.percentile),
             "empty_solutions": sum(len(s) for s in solutions) - len(records),
