@@ -254,11 +254,108 @@ def latest_evaluation(tags: dict[str, str], label: str, dataset: str) -> dict | 
     return json.loads(recorded) if recorded else None
 
 
-def _of_latest_evaluation(tags: dict[str, str], label: str, dataset: str, k: int, std: bool) -> bool:
+def _of_latest_evaluation(
+    tags: dict[str, str], label: str, dataset: str, k: int, std: bool, key: str = ""
+) -> bool:
     """A pass@k point the run's latest evaluation logged: a re-evaluation under other settings leaves the
-    earlier one's points at other ks (and its std, with more seeds) in MLflow, never to be joined to it."""
+    earlier one's points at other ks (and its std, with more seeds) in MLflow, never to be joined to it;
+    the tag's ``stale`` list (sage.tracking.Tracker.log_eval) names them."""
     latest = latest_evaluation(tags, label, dataset)
-    return latest is None or (k in latest["ks"] and not (std and latest["seeds"] == 1))
+    if latest is None:
+        return True
+    return k in latest["ks"] and not (std and latest["seeds"] == 1) and key not in latest.get("stale", ())
+
+
+TIER_K = re.compile(r"^[^/]+/pass_at_(?P<k>\d+)$")
+
+
+def _of_latest_analysis(tags: dict[str, str], key: str, m: re.Match) -> bool:
+    """An analysis figure the run's latest evaluation of its label and dataset logged: not named stale by
+    its tag, and a tier's pass@k only at k = 1 and k = n of that evaluation (``sage.eval.analyses
+    .tier_figures``), so that an earlier evaluation's pass@n at another n is never read beside it (stores
+    written before the stale list was kept)."""
+    latest = latest_evaluation(tags, m["label"], m["dataset"])
+    if latest is None:
+        return True
+    if key in latest.get("stale", ()):
+        return False
+    tier_k = TIER_K.match(m["name"]) if m["kind"] == "tier" else None
+    return tier_k is None or int(tier_k["k"]) in {1, int(latest["n_samples"])}
+
+
+# What names an evaluation's settings in a row: the fields of its tag (sage.tracking.eval_tag)...
+EVAL_TAG_SETTINGS = {"n_samples": "n_samples", "problems": "problems", "seeds": "eval seeds"}
+# ...and the eval.* params, but for those that change which figures are logged or how fast, not their values
+EVAL_NOT_SETTINGS = (
+    "eval.ks",
+    "eval.batch_size",
+    "eval.vllm_*",
+    "eval.at_end",
+    "eval.every_steps",
+    "eval.every_n_samples",
+    "eval.perplexity_*",
+)
+
+
+def evaluation_settings(tags: dict[str, str], label: str) -> dict[str, str]:
+    """The settings of a run's latest evaluation of ``label`` on each dataset, as its tags record them:
+    {"<dataset> n_samples": "4", "<dataset> problems": "20", "<dataset> eval seeds": "1"}."""
+    prefix = eval_tag(label, "")
+    out = {}
+    for key, value in sorted(tags.items()):
+        if key.startswith(prefix):
+            record = json.loads(value)
+            for field, name in EVAL_TAG_SETTINGS.items():
+                if field in record:
+                    out[f"{key.removeprefix(prefix)} {name}"] = str(record[field])
+    return out
+
+
+def evaluation_params(params: Sequence[dict[str, str]]) -> list[str]:
+    """The eval.* params in which the given runs differ that change an evaluation's numbers."""
+    return [k for k in varying_params(params) if k.startswith("eval.") and not matches(k, EVAL_NOT_SETTINGS)]
+
+
+def with_settings(row: str, settings: Sequence[str]) -> str:
+    """``GRPO [a=1]`` + ``b=2`` -> ``GRPO [a=1, b=2]``; ``base`` + ``b=2`` -> ``base [b=2]``."""
+    if not settings:
+        return row
+    if row.endswith("]") and " [" in row:
+        return f"{row[:-1]}, {', '.join(settings)}]"
+    return f"{row} [{', '.join(settings)}]"
+
+
+def split_by_evaluation(frame: pd.DataFrame, label: str | None = None) -> tuple[pd.Series, list[str]]:
+    """Row names in which a row's runs whose latest evaluations differ in settings (samples per problem,
+    problems, evaluation seeds, as ``evaluation_settings`` reads them) become rows of their own, named by
+    those settings, and one note per row split naming its runs: a row never averages evaluations of
+    different settings. ``label``: the evaluation read (default: base for method=base runs, else
+    trained). Settings some runs do not record (runs logged before the tag) split nothing."""
+    rows = frame["row"].copy()
+    notes = []
+    for row, group in frame.groupby("row", sort=False):
+        settings = {
+            i: evaluation_settings(
+                group.at[i, "tags"], label or ("base" if group.at[i, "method"] == "base" else "trained")
+            )
+            for i in group.index
+        }
+        shared = set.intersection(*(set(s) for s in settings.values()))
+        keys = sorted(k for k in shared if len({s[k] for s in settings.values()}) > 1)
+        if not keys:
+            continue
+        for i, s in settings.items():
+            rows[i] = with_settings(row, [f"{k}={s[k]}" for k in keys])
+        named = rows[group.index]
+        parts = [
+            f"{name} (runs {', '.join(frame.loc[named[named == name].index, 'run_id'])})"
+            for name in dict.fromkeys(named)
+        ]
+        notes.append(
+            f"{row} is split into {len(parts)} rows because its runs' latest evaluations differ in "
+            f"{', '.join(keys)}: {'; '.join(parts)}"
+        )
+    return rows, notes
 
 
 def eval_frame(runs: pd.DataFrame) -> pd.DataFrame:
@@ -269,7 +366,7 @@ def eval_frame(runs: pd.DataFrame) -> pd.DataFrame:
     for run_id, metrics, tags in zip(runs["run_id"], runs["metrics"], tags_of, strict=True):
         for key, value in metrics.items():
             m = EVAL_KEY.match(key)
-            if m and _of_latest_evaluation(tags, m["label"], m["dataset"], int(m["k"]), bool(m["std"])):
+            if m and _of_latest_evaluation(tags, m["label"], m["dataset"], int(m["k"]), bool(m["std"]), key):
                 cell = points.setdefault((run_id, m["label"], m["dataset"], int(m["k"])), {})
                 cell["std" if m["std"] else "value"] = value
     rows = [
@@ -327,13 +424,14 @@ def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 def analysis_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """What the evaluation's analysis step logged (``<pattern|strategy|rare_share>/<name>/<label>/<dataset>``,
-    ``tier/<tier>/pass_at_<k>/<label>/<dataset>``):
-    run_id, label, dataset, kind, name, value."""
+    ``tier/<tier>/pass_at_<k>/<label>/<dataset>``), of each run's latest evaluation only, as ``eval_frame``
+    reads pass@k: run_id, label, dataset, kind, name, value."""
+    tags_of = runs["tags"] if "tags" in runs else pd.Series([{}] * len(runs), index=runs.index)
     rows = [
         {"run_id": run_id, **m.groupdict(), "value": value}
-        for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True)
+        for run_id, metrics, tags in zip(runs["run_id"], runs["metrics"], tags_of, strict=True)
         for key, value in metrics.items()
-        if (m := ANALYSIS_KEY.match(key))
+        if (m := ANALYSIS_KEY.match(key)) and _of_latest_analysis(tags, key, m)
     ]
     return pd.DataFrame(rows, columns=["run_id", "label", "dataset", "kind", "name", "value"])
 

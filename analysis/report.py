@@ -114,8 +114,10 @@ def select(
             f"{where} has no finished sage-train runs ({len(frame)} runs left out: not FINISHED or not train)"
         )
     runs["row"] = load.assign_rows(runs)
+    param_notes = split_notes(runs)
+    runs["row"], eval_notes = load.split_by_evaluation(runs)
     runs, dup_notes = load.one_run_per_seed(runs)
-    dup_notes += joined_notes(client, runs) + split_notes(runs)
+    dup_notes += joined_notes(client, runs) + param_notes + eval_notes
     present = sorted(int(s) for s in runs["seed"].unique())
     asked = sorted(seeds) if seeds else present
     if not set(asked) & set(present):  # a report of no run would be tables of dashes, not a result
@@ -162,9 +164,10 @@ def split_notes(runs: pd.DataFrame) -> list[str]:
     return notes
 
 
-def find_grid(client, experiment: str, grid: str):
-    """The parent run ``--grid`` names: ``latest`` (the grid or study started last), else the one whose run
-    name (what it compared), sweep dir (absolute, or its last folder), study or run id is ``grid``. A
+def find_grid(client, experiment: str, grid: str) -> tuple[object, int | None]:
+    """The parent run ``--grid`` names, and for ``latest`` when its driver ran (ms; else None): ``latest``
+    (``latest_grid``: the grid whose driver ran last, not an Optuna study), else the one whose run name
+    (what it compared), sweep dir (absolute, or its last folder), study or run id is ``grid``. A
     ReportError listing the experiment's grids when none is."""
     names = load.experiment_names(experiment)
     ids = [e.experiment_id for e in map(client.get_experiment_by_name, names) if e is not None]
@@ -177,7 +180,7 @@ def find_grid(client, experiment: str, grid: str):
     if not parents:
         raise ReportError(f"--grid {grid}: experiment(s) {experiment!r} hold no grid (sage-train -m)")
     if grid == "latest":
-        return parents[0]
+        return latest_grid(client, ids, parents, experiment)
 
     def known_as(p) -> set[str]:
         sweep = p.data.tags.get(SWEEP_TAG, "")
@@ -191,14 +194,65 @@ def find_grid(client, experiment: str, grid: str):
             f"--grid {grid!r}: no grid of that name, sweep dir or run id in {experiment}; its grids, latest "
             f"first: {listed}{' ...' if len(parents) > 8 else ''} (or --grid latest)"
         )
-    return match[0]
+    return match[0], None
+
+
+def latest_grid(client, ids: Sequence[str], parents: Sequence, experiment: str) -> tuple[object, int]:
+    """(parent run, when in ms) of the grid whose driver ran last: ``sage-train -m`` into a sweep dir (an
+    Optuna study is not a grid here), at the latest time its parent run or one of its runs started or
+    ended. An extended grid continues the parent run its first launch made, so the parent's start alone
+    would name a grid or study started in between."""
+    grids = {p.info.run_id: p for p in parents if SWEEP_TAG in p.data.tags}
+    if not grids:
+        studies = ", ".join(repr(p.info.run_name) for p in parents[:8])
+        raise ReportError(
+            f"--grid latest: experiment(s) {experiment!r} hold no grid launched into a sweep dir (sage-train "
+            f"-m), only Optuna studies: {studies}; name one with --grid <its name>"
+        )
+    last = {r: max(p.info.start_time or 0, p.info.end_time or 0) for r, p in grids.items()}
+    for order in ("start_time", "end_time"):  # the newest start and end of any grid's run
+        token = None
+        while True:
+            page = client.search_runs(
+                ids,
+                f"tags.`{PARENT_TAG}` LIKE '%'",
+                order_by=[f"attributes.{order} DESC"],
+                max_results=100,
+                page_token=token,
+            )
+            child = next(
+                (c for c in page if c.data.tags.get(PARENT_TAG) in grids and getattr(c.info, order)), None
+            )
+            if child is not None:
+                parent = child.data.tags[PARENT_TAG]
+                last[parent] = max(last[parent], getattr(child.info, order))
+                break
+            token = page.token
+            if not token:
+                break
+    chosen = max(last, key=lambda r: (last[r], grids[r].info.start_time or 0))
+    return grids[chosen], last[chosen]
+
+
+def grid_line(parent, when: int | None = None) -> str:
+    """The line sage-report --grid prints: which grid it reports (name, sweep dir or study, parent run),
+    and for --grid latest why that one."""
+    tags = parent.data.tags
+    where = f" in sweep dir {tags[SWEEP_TAG]}" if SWEEP_TAG in tags else ""
+    where += f", Optuna study {tags[STUDY_TAG]}" if STUDY_TAG in tags else ""
+    why = ""
+    if when is not None:
+        at = datetime.fromtimestamp(when / 1000, UTC)
+        why = f" the grid whose driver ran last (at {at:%Y-%m-%d %H:%M:%S} UTC),"
+    return f"grid:{why} {parent.info.run_name!r}{where} (parent run {parent.info.run_id}): its runs only"
 
 
 def sources(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Which (run, eval label) gives each row's numbers for each seed: trained runs their ``trained``
     evaluation; the base row the ``base`` evaluation of method=base runs if any, else of the trained runs
     (one per seed; they share the start model: the ``base_model`` tag must agree, else one base row per
-    start model)."""
+    start model; and their evaluations' settings must agree, else one base row per setting, named by it:
+    ``base [eval.n_samples=4]``)."""
     notes = []
     is_base = runs["method"] == "base"
     trained = runs[~is_base].assign(label="trained")[SOURCES]
@@ -211,14 +265,35 @@ def sources(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         if len(models) > 1:
             notes.append(f"the runs start from {len(models)} different base models: one base row per model")
         rows = runs.dropna(subset=["base_model"]).sort_values("start_time", ascending=False)
-        rows = rows.drop_duplicates(["base_model", "seed"])
         name = rows["base_model"].map(lambda m: "base" if len(models) == 1 else f"base [{m}]")
-        base = rows.assign(row=name, label="base")[SOURCES]
+        for _, group in rows.groupby("base_model", sort=False):  # the start model's evaluation settings
+            keys = load.evaluation_params(list(group["params"]))
+            for i, p in group["params"].items():
+                name[i] = load.with_settings(name[i], [f"{k}={p.get(k)}" for k in keys])
+        named = rows.assign(row=name)
+        named["row"], _ = load.split_by_evaluation(named, "base")  # its notes: base_split_notes
+        notes += base_split_notes(named)
+        rows = named.drop_duplicates(["row", "seed"])
+        base = rows.assign(label="base")[SOURCES]
         notes.append(
             "base row: the */base/* metrics of the trained runs (no method=base run), one run per seed; "
             "they evaluate the same start model with the same eval seeds, so they should agree exactly"
         )
     return pd.concat([base, trained], ignore_index=True), notes
+
+
+def base_split_notes(named: pd.DataFrame) -> list[str]:
+    """One line per start model whose base row is split by evaluation settings: each row and its runs."""
+    notes = []
+    for model, group in named.groupby("base_model", sort=False):
+        rows = list(dict.fromkeys(group["row"]))
+        if len(rows) > 1:
+            parts = [f"{r} (runs {', '.join(group.loc[group['row'] == r, 'run_id'])})" for r in rows]
+            notes.append(
+                f"the start model {model} is split into {len(rows)} base rows: the runs that supply it "
+                f"evaluated it under different settings, never averaged: {'; '.join(parts)}"
+            )
+    return notes
 
 
 def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
@@ -320,13 +395,21 @@ def analysis_frames(runs: pd.DataFrame, src: pd.DataFrame, datasets: list[str]) 
 
 
 def perplexity_frame(
-    client, src: pd.DataFrame, datasets: list[str], tmp: Path
+    client, src: pd.DataFrame, datasets: list[str], tmp: Path, tags_of: Mapping[str, dict] | None = None
 ) -> tuple[pd.DataFrame, list[str]]:
     """(row, seed, run_id, ppl): each source's per-sample perplexities under its base model, as its
-    evaluation logged them."""
+    evaluation logged them; not those of an earlier evaluation (its ``perplexity_median`` named stale by
+    the run's tag ``sage.eval.<label>.<dataset>``, from ``tags_of``: run id -> tags)."""
     out, notes = [], []
     for row, seed, run_id, label in src[SOURCES].itertuples(index=False):
         for ds in datasets:
+            latest = load.latest_evaluation((tags_of or {}).get(run_id, {}), label, ds) or {}
+            if metric_name(label, ds, "perplexity_median") in latest.get("stale", ()):
+                notes.append(
+                    f"perplexity: {row} seed {seed} (run {run_id}): its {label}/{ds} perplexities are of an "
+                    "earlier evaluation (not scored again when it was re-evaluated): left out"
+                )
+                continue
             ppl = load.perplexities(client, run_id, label, ds, tmp)
             if ppl is None:
                 notes.append(f"perplexity: {row} seed {seed} (run {run_id}) logged none for {label}/{ds}")
@@ -843,7 +926,10 @@ def make_report(
             )  # fmt: skip
             add(t, "Differences against the start model", how_base)
         else:
-            notes.append(f"no differences against base: {len(base_rows)} base rows (one start model needed)")
+            notes.append(
+                f"no differences against base: {len(base_rows)} base rows (one start model, evaluated under "
+                "one setting, needed; --filter or --grid picks one)"
+            )
         pairs = moved_pairs(ref_row, trained_rows, base_rows)
         if pairs:
             labels = {ds: dataset_labels(runs, src, ds) for ds in datasets}
@@ -905,7 +991,8 @@ def make_report(
         add(t, heading, text)
     if perplexity_cap > 0:
         with tempfile.TemporaryDirectory() as tmp_name:
-            ppl, pnotes = perplexity_frame(client, src, datasets, Path(tmp_name))
+            tags_of = dict(zip(runs["run_id"], runs["tags"], strict=True))
+            ppl, pnotes = perplexity_frame(client, src, datasets, Path(tmp_name), tags_of)
         notes += pnotes
         ppl = ppl.groupby("run_id", group_keys=False).head(perplexity_cap)
         if len(ppl):
@@ -1010,8 +1097,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--grid",
         default=None,
-        help="only the runs of one grid (sage-train -m): latest, or its parent run's name (what it compared, "
-        "e.g. 'experiment=grpo,grpo_branch x seed=1,2'), its sweep dir or its run id",
+        help="only the runs of one grid (sage-train -m): latest (the grid whose driver ran last, not an "
+        "Optuna study; the line printed names it), or its parent run's name (what it compared, e.g. "
+        "'experiment=grpo,grpo_branch x seed=1,2'), its sweep dir, study or run id",
     )
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else outputs/mlflow.db"
@@ -1119,10 +1207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         filter_string = args.filter
         if args.grid:
-            parent = find_grid(client, args.experiment, args.grid)
+            parent, when = find_grid(client, args.experiment, args.grid)
             children = f"tags.`{PARENT_TAG}` = '{parent.info.run_id}'"
             filter_string = f"{children} and {args.filter}" if args.filter else children
-            print(f"grid: {parent.info.run_name!r} (parent run {parent.info.run_id}): its runs only")
+            print(grid_line(parent, when))
         rep = make_report(
             client,
             uri,

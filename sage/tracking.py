@@ -37,7 +37,10 @@ RUN_NOTE = (
     "Metrics pass_at_<k>/<label>/<dataset> are logged at the optimiser step of the evaluated model "
     "(0 for the base model). In the series pass_at_k_curve/<label>/<dataset> the step is k, not a "
     "training step: the chart is pass@k against k. Artifacts under eval/ hold the pass@k figure and table "
-    "and the completions of the first evaluation seed as a table."
+    "and the completions of the first evaluation seed as a table. The tag sage.eval.<label>.<dataset> names "
+    "the settings of the latest evaluation (step, ks, n_samples, eval seeds, problems); its list 'stale' "
+    "names the metrics of that label and dataset left by an earlier evaluation under other settings, "
+    "which are not this evaluation's numbers."
 )
 # The config groups whose choice is a tag (the filters users group runs by).
 GROUP_TAGS = (
@@ -206,6 +209,10 @@ def eval_tag(label: str, dataset: str) -> str:
     return f"sage.eval.{label}.{dataset}"
 
 
+# What makes two evaluations of one model the same samples (the fields of the eval_tag record)
+SAME_SAMPLES = ("step", "n_samples", "seeds", "problems")
+
+
 class Tracker:
     """One MLflow run bound to one output folder. Use ``start_run`` (a context manager)."""
 
@@ -215,6 +222,7 @@ class Tracker:
         self.resumed = resumed
         self._last_step = self._last_logged_step() if resumed else -1
         self._eval_steps: dict[str, int] = {}  # label -> the step its evaluation was logged at
+        self._eval_records: dict[tuple[str, str], dict] = {}  # (label, dataset) -> its eval_tag record
         # dataset -> label -> pass@k curve per evaluation seed: a dataset's figure shows base and trained
         self._curves: dict[str, dict[str, list[dict[int, float]]]] = {}
 
@@ -261,25 +269,36 @@ class Tracker:
         # MLflow keeps every point ever logged, and a run re-evaluated under other settings at the same step
         # (a resume with other eval.ks or eval.n_samples) still holds the earlier evaluation's pass@k at
         # other ks and its curve beyond the new n: this tag names what the latest evaluation logged, and
-        # the report reads only that (analysis.load.eval_frame, curve_frame).
-        self.set_tag(
-            eval_tag(label, dataset),
-            json.dumps(
-                {
-                    "step": step,
-                    "ks": sorted(int(k) for k in ks),
-                    "n_samples": int(result["correct"][0].shape[1]),
-                    "seeds": len(result["correct"]),
-                }
-            ),
-        )
+        # the report reads only that (analysis.load.eval_frame, curve_frame, analysis_frame). Its list
+        # "stale" names the metrics of (label, dataset) the run holds from an earlier evaluation and this
+        # one has not logged (yet: log_analyses takes out those it logs), so that no run shows two
+        # evaluations' numbers side by side unmarked.
         summary = result["summary"]
         if len(result["correct"]) == 1:
             summary = {k: v for k, v in summary.items() if not k.endswith("_std")}
+        record = {
+            "step": step,
+            "ks": sorted(int(k) for k in ks),
+            "n_samples": int(result["correct"][0].shape[1]),
+            "seeds": len(result["correct"]),
+            "problems": int(result["correct"][0].shape[0]),
+        }
+        curve_name = metric_key(metric_name(label, dataset, "pass@k_curve"))
+        logged = {metric_key(metric_name(label, dataset, k)) for k, v in summary.items() if _is_number(v)}
+        run = self.client.get_run(self.run_id).data
+        earlier = json.loads(run.tags.get(eval_tag(label, dataset)) or "null")
+        suffix = f"/{label}/{dataset}"
+        held = {k for k in run.metrics if k.endswith(suffix)} - logged - {curve_name}
+        if earlier is not None and all(earlier.get(f) == record[f] for f in SAME_SAMPLES):
+            # the same samples again (a resume evaluating the same model): what the earlier evaluation
+            # logged is this one's, but for its pass@k at ks this one does not report
+            held = {k for k in held if k in earlier.get("stale", ()) or re.match(r"pass_at_\d+(_std)?/", k)}
+        record["stale"] = sorted(held)
+        self._eval_records[(label, dataset)] = record
+        self._set_eval_tag(label, dataset, record)
         self._log_new(_metrics({metric_name(label, dataset, k): v for k, v in summary.items()}, step=step))
         curves = [pass_at_k_curve(c) for c in result["correct"]]
         mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
-        curve_name = metric_name(label, dataset, "pass@k_curve")
         self._log_new([_metric(curve_name, v, k) for k, v in mean_curve.items()])
         self._curves.setdefault(dataset, {})[label] = curves
         import tempfile
@@ -318,6 +337,11 @@ class Tracker:
             values["perplexity_median"] = float(np.median(perplexities))
         step = self._eval_steps.get(label, 0)
         self._log_new(_metrics({metric_name(label, dataset, k): v for k, v in values.items()}, step))
+        record = self._eval_records.get((label, dataset))
+        if record and record["stale"]:  # what this evaluation's analyses logged is no longer stale
+            logged = {metric_key(metric_name(label, dataset, k)) for k, v in values.items() if _is_number(v)}
+            record["stale"] = [k for k in record["stale"] if k not in logged]
+            self._set_eval_tag(label, dataset, record)
         if perplexities is not None:
             import tempfile
 
@@ -326,14 +350,24 @@ class Tracker:
                 f.write_text(json.dumps(perplexities))
                 self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
 
+    def _set_eval_tag(self, label: str, dataset: str, record: dict) -> None:
+        """The eval_tag record, its stale list cut to MLflow's tag length (8,000) with "..." last."""
+        text, stale = json.dumps(record), list(record["stale"])
+        while len(text) > 7000 and stale:
+            stale = stale[: len(stale) // 2]
+            text = json.dumps({**record, "stale": [*stale, "..."]})
+        self.set_tag(eval_tag(label, dataset), text)
+
     def _log_new(self, metrics: list) -> None:
-        """Log the points the run does not hold yet (same key, step and value); only a resumed run can."""
+        """Log the points the run does not hold yet as the latest of their key and step (same value); only
+        a resumed run can. A value held under an earlier point only (an evaluation at n=2, another at n=4,
+        then n=2 again) is logged again: MLflow shows a key's latest point."""
         if self.resumed:
-            held = {
-                key: {(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)}
-                for key in {m.key for m in metrics}
-            }
-            metrics = [m for m in metrics if (m.step, m.value) not in held[m.key]]
+            held: dict[str, dict[int, float]] = {}
+            for key in {m.key for m in metrics}:
+                history = self.client.get_metric_history(self.run_id, key)
+                held[key] = {m.step: m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))}
+            metrics = [m for m in metrics if held[m.key].get(m.step) != m.value]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
