@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sage import distributed
 from sage.errors import ConfigError
+from sage.progress import duration
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +161,81 @@ def _remove_stale_builds(final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+LOCK_WAIT_EVERY_S = 60.0
+"""While a process waits on another's lock, a line this often says it still waits, and on whom."""
+
+
 @contextlib.contextmanager
-def folder_lock(final: Path) -> Iterator[None]:
+def folder_lock(final: Path, every_s: float | None = None) -> Iterator[None]:
     """Held by the one process that may create or replace ``final`` (a lock file beside it); the others
-    wait on it. The lock is released when its holder dies."""
+    wait on it. The lock is released when its holder dies.
+
+    The holder writes who it is into the lock file (pid, host, since when), so that a process that finds
+    the lock taken says in one line whom it waits for, and again every ``every_s`` seconds (default
+    ``LOCK_WAIT_EVERY_S``) while it waits: minutes of a cold build by another job are not silence."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
+    path = final.parent / f".{final.name}.lock"
+    # opened without truncating: the file holds the current holder's record, read by those who wait
+    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(lock, path, final, LOCK_WAIT_EVERY_S if every_s is None else every_s)
+        _record_holder(lock, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+        try:
+            yield
+        finally:
+            _record_holder(lock, None)  # released: the next waiter reads no stale holder
+
+
+def _record_holder(lock, record: dict | None) -> None:
+    """Write (or clear) the holder's record in its lock file: a courtesy to those who wait, never worth
+    failing the build for (a full disk)."""
+    try:
+        lock.seek(0)
+        lock.truncate()
+        if record is not None:
+            lock.write(json.dumps(record))
+        lock.flush()
+    except OSError:
+        pass
+
+
+def lock_holder(path: Path) -> str:
+    """Who holds the lock file ``path``, as its holder recorded it: ``pid 123 on host h since 14:02:07 (3m10s
+    ago)``; ``another process (pid unknown)`` where it has not (yet) written its record."""
+    try:
+        record = json.loads(path.read_text())
+        since = datetime.datetime.fromtimestamp(record["since"]).strftime("%H:%M:%S")
+        ago = duration(time.time() - record["since"])
+        return f"pid {record['pid']} on host {record['host']} since {since} ({ago} ago)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (pid unknown)"
+
+
+def _wait_for_lock(lock, path: Path, final: Path, every_s: float) -> None:
+    """Block until ``lock`` is ours, saying once whom we wait for and then every ``every_s`` seconds."""
+    import threading
+
+    start = time.monotonic()
+    log.info("waiting for the lock of %s, held by %s (lock file %s)", final, lock_holder(path), path.name)
+    done = threading.Event()
+
+    def remind() -> None:
+        while not done.wait(every_s):
+            elapsed = duration(time.monotonic() - start)
+            log.info(
+                "still waiting for the lock of %s (%s so far), held by %s", final, elapsed, lock_holder(path)
+            )
+
+    reminder = threading.Thread(target=remind, name="lock-wait", daemon=True)
+    reminder.start()
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    finally:
+        done.set()
+        reminder.join()
+    log.info("the lock of %s is ours after %s of waiting", final, duration(time.monotonic() - start))
 
 
 def tmp_folder_for(final: Path) -> Path:

@@ -36,3 +36,46 @@ def test_a_killed_build_leaves_nothing_after_the_next_build(tmp_path: Path) -> N
     assert not stale.exists()
     assert sorted(p.name for p in final.parent.iterdir() if p.name.startswith(".tmp-")) == [other.name]
     assert os.listdir(final) == ["done.json"]
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from sage.paths import folder_lock
+with folder_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_a_wait_on_another_process_lock_names_the_holder_and_says_it_still_waits(tmp_path, caplog):
+    """Issue 47: `make run` said "building the testbed base model" and then nothing for minutes while it
+    waited on another process's lock. The waiter now names the lock and its holder (pid, host, since when)
+    in one line, says every ``every_s`` seconds that it still waits, and says when the lock is its own."""
+    import logging
+    import socket
+    import threading
+
+    from sage.paths import folder_lock
+
+    final = tmp_path / "cache" / "abc123"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(final)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        threading.Timer(1.0, holder.stdin.close).start()  # the holder finishes a second from now
+        with caplog.at_level(logging.INFO, logger="sage.paths"), folder_lock(final, every_s=0.3):
+            lock = final.parent / ".abc123.lock"
+            assert f'"pid": {os.getpid()}' in lock.read_text()  # ours now, for the next waiter to read
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = [r.getMessage() for r in caplog.records if r.name == "sage.paths"]
+    held_by = f"held by pid {holder.pid} on host {socket.gethostname()} since "
+    assert lines[0].startswith(f"waiting for the lock of {final}, {held_by}"), lines
+    assert lines[0].endswith(" ago) (lock file .abc123.lock)"), lines
+    still = [ln for ln in lines if ln.startswith(f"still waiting for the lock of {final} (")]
+    assert still and all(f"so far), {held_by}" in ln for ln in still), lines
+    assert lines[-1].startswith(f"the lock of {final} is ours after "), lines
+    assert lock.read_text() == ""  # released: no stale holder
