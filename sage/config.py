@@ -432,8 +432,19 @@ def validate(cfg: DictConfig) -> None:
     if cfg.eval.at_end or cfg.eval.every_steps:
         check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     resume_mode(cfg.resume)
+    check_tracking(cfg.tracking)
     check_callbacks(cfg)
     check_optimisers(cfg)
+
+
+def check_tracking(tracking: DictConfig) -> None:
+    """The MLflow keys a later command names the runs by: sage-report's ``--experiment`` takes several
+    experiments separated by commas, so a name with a comma could never be named there."""
+    if "," in tracking.experiment:
+        raise ConfigError(
+            f"tracking.experiment={tracking.experiment!r} has a comma, which sage-report --experiment reads "
+            "as a separator between names: choose a name without commas (letters, digits, - _ . / spaces)"
+        )
 
 
 def periodic_metrics(eval_cfg: DictConfig) -> list[str]:

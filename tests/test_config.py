@@ -496,3 +496,20 @@ def test_the_sequence_anchor_is_on_policy_only():
         ConfigError, match=r"^divergence=sequence_kl .* trl.num_iterations must be 1 \(got 2\)$"
     ):
         validate(cfg_for("divergence=sequence_kl", "trl.num_iterations=2"))
+
+
+def test_a_comma_in_the_experiment_name_is_refused_in_one_line(tmp_path):
+    """Issue 47: sage-report --experiment splits its value on commas, so an experiment named with one could
+    never be reported; sage-train (and sage-eval) refuse it before anything runs."""
+    with pytest.raises(ConfigError, match=r"tracking.experiment='a,b' has a comma"):
+        validate(cfg_for('tracking.experiment="a,b"'))
+    validate(cfg_for('tracking.experiment="a b-c.d"'))
+    line = one_error_line(run_cli('tracking.experiment="my,study"', f"output_dir={tmp_path}"))
+    assert "tracking.experiment='my,study' has a comma" in line and "sage-report --experiment" in line
+    assert not (tmp_path / "config.yaml").exists()
+    r = prefork.run(
+        [sys.executable, "-m", "sage.eval", 'tracking.experiment="my,study"', f"output_dir={tmp_path / 'e'}"],
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert "tracking.experiment='my,study' has a comma" in one_error_line(r)

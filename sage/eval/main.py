@@ -34,6 +34,7 @@ from sage.config import (
     TrackingConfig,
     check_backend,
     check_eval,
+    check_tracking,
     exit_on_config_error,
     instantiate_node,
     register_configs,
@@ -78,6 +79,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.
     check_eval(cfg.eval)
+    check_tracking(cfg.tracking)
     check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     check_store(cfg)
     if cfg.checkpoint is not None:
