@@ -653,14 +653,20 @@ class Terminated(KeyboardInterrupt):
     grading pool, finished checkpoints and cells kept."""
 
 
-def interrupted_state(rerun: str) -> str:
+def interrupted_state(rerun: str | typing.Callable[[], str]) -> str:
     """What an interruption left, naming only what exists: the MLflow runs this process closed KILLED and
     what a rerun continues, or, before any run started (building the base model, say), that nothing was
-    recorded."""
+    recorded. ``rerun``: how to continue, or a function that says what the command's folder holds and
+    what a rerun does (asked only once the run is closed)."""
     from sage.tracking import killed_runs
 
     if not killed_runs():
         return "no MLflow run had started and nothing was recorded; rerun the same command to start"
+    if callable(rerun):
+        try:
+            return f"the MLflow run is marked KILLED; {rerun()}"
+        except Exception:  # noqa: BLE001 (an interruption's last line must not become a traceback)
+            rerun = "rerun the same command"
     return f"the MLflow run is marked KILLED; finished checkpoints and evaluation cells are kept ({rerun})"
 
 
@@ -760,12 +766,12 @@ def _close_progress_bars() -> None:
 
 
 def exit_on_config_error(
-    fn: Any, cfg: DictConfig, *, rerun: str = "rerun with resume=true to continue"
+    fn: Any, cfg: DictConfig, *, rerun: str | typing.Callable[[], str] = "rerun the same command"
 ) -> Any:
     """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2; Ctrl-C one
     line and exit code 130 (the shell's for SIGINT), and SIGTERM the same with 143, after the MLflow run was
     closed KILLED; a full disk one line naming where, exit code 1. ``rerun`` says how to continue after an
-    interruption."""
+    interruption (``interrupted_state``)."""
     import signal
     import sys
     import threading

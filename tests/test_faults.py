@@ -7,6 +7,7 @@ store and a --seeds that matches no run; a full disk; a run shortened on resume.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -207,6 +208,45 @@ def test_sigterm_is_left_to_a_handler_already_installed():
     assert seen is not signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_the_interruption_hint_names_the_folder_and_offers_resume_only_from_a_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 47: the Ctrl-C hint said "rerun with resume=true" where no checkpoint existed (a rerun with it
+    is then refused) and did not name the folder. Now it says what the folder keeps and what a rerun does."""
+    import sage.tracking
+    from sage.train.main import FINAL_FILE, interruption_hint
+
+    out = tmp_path / "run"
+    cfg = OmegaConf.create({"output_dir": str(out), "trl": {"save_steps": 50, "max_steps": 10}})
+    hint = functools.partial(interruption_hint, cfg)
+    assert hint() == (
+        f"no checkpoint was saved in {out} (trl.save_steps=50): nothing of the training is kept, and a rerun "
+        "starts over"
+    )
+    (out / "rl" / "checkpoint-7").mkdir(parents=True)  # its save was cut short: not one to resume from
+    assert "resume=true" not in hint()
+    (out / "final").mkdir()
+    (out / "final" / FINAL_FILE).write_text(json.dumps({"global_step": 10}))
+    assert hint() == f"the finished model is kept in {out}/final; rerun with output_dir={out} to evaluate it"
+    (out / "rl" / "checkpoint-3").mkdir()
+    (out / "rl" / "checkpoint-3" / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    assert hint() == (
+        f"checkpoint-3 and finished evaluation cells are kept in {out}; rerun with output_dir={out} "
+        "resume=true to continue"
+    )
+
+    def interrupted(cfg):
+        sage.tracking._KILLED_RUNS.append("a-run")  # what closing the MLflow run on Ctrl-C records
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sage.tracking, "_KILLED_RUNS", [])
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_error(interrupted, cfg, rerun=hint)
+    assert e.value.code == 130
+    said = capsys.readouterr().err.strip()
+    assert said == f"interrupted (Ctrl-C): the MLflow run is marked KILLED; {hint()}"
+
+
 def wait_for_line(proc: subprocess.Popen, prefix: str, deadline_s: float) -> None:
     deadline = time.monotonic() + deadline_s
     for line in proc.stdout:
@@ -256,10 +296,13 @@ def test_sigterm_marks_the_run_killed_in_one_line(terminated_run):
     code, err, out, store = terminated_run
     assert code == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == (
-        "terminated (SIGTERM): the MLflow run is marked KILLED; finished checkpoints and evaluation cells "
-        "are kept (rerun with resume=true to continue)"
-    )
+    # issue 47: the hint names the folder and the checkpoint that resume=true continues from
+    assert re.fullmatch(
+        rf"terminated \(SIGTERM\): the MLflow run is marked KILLED; checkpoint-\d+ and finished evaluation "
+        rf"cells are kept in {re.escape(str(out))}; rerun with output_dir={re.escape(str(out))} resume=true "
+        "to continue",
+        err.strip().splitlines()[-1],
+    ), err[-3000:]
     run = MlflowClient(store).get_run((out / RUN_ID_FILE).read_text())
     assert run.info.status == "KILLED"
 

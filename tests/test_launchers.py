@@ -174,3 +174,19 @@ def test_the_slurm_launcher_warns_at_submission_about_sqlite_and_node_local_fold
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
     monkeypatch.setenv("SAGE_CACHE_DIR", "/home/ada/.cache/sage")
     assert launch("/home/ada/sweeps/a") == []
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_the_readme_says_where_a_grid_jobs_logs_are(launcher):
+    """Issue 47: a grid's terminal is quiet until the grid ends, and the README never said where each job's
+    log is. It names the folder each launcher gives submitit, and the files submitit writes there."""
+    from submitit.core.utils import JobPaths
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    folder = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)["submitit_folder"]
+    named = folder.replace("${hydra.sweep.dir}", "<sweep dir>").replace("%j", "<job id>")
+    paths = JobPaths(folder, job_id="<job id>", task_id=0)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"each one's log is in `{named}/` (`{paths.stdout.name}` and `_log.err`)" in readme
+    assert paths.stderr.name.endswith("_log.err")

@@ -444,7 +444,11 @@ def test_ctrl_c_during_training_is_one_line_and_the_run_is_killed(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C): the MLflow run is marked KILLED")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted (Ctrl-C): the MLflow run is marked KILLED")
+    # issue 47: no checkpoint yet (trl.save_steps 50), so resume=true, which would be refused, is not offered
+    assert f"no checkpoint was saved in {(tmp_path / 'run').resolve()}" in last, last
+    assert "a rerun starts over" in last and "resume=true" not in last
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
     assert run.info.status == "KILLED"

@@ -4,6 +4,7 @@ sage-report notes it."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -55,6 +56,16 @@ def test_a_one_step_run_says_in_one_line_that_nothing_was_trained(tmp_path):
     assert len(said) == 1 and said[0].endswith(f"{WARNING} ({out / 'final'})"), said
     run_id = (out / "mlflow_run_id").read_text().strip()
     assert MlflowClient(store).get_run(run_id).data.tags.get(UNTRAINED_TAG) == "true"
+    # the run's metrics.json says it too, and keeps saying it when the finished run is run again
+    assert json.loads((out / "metrics.json").read_text())["untrained"] is True
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", "trl.max_steps=1", "eval.at_end=false", "resume=true"]
+        + [f"tracking.uri={store}", f"output_dir={out}"],
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "metrics.json").read_text())["untrained"] is True
 
 
 def test_the_report_notes_an_untrained_run(tmp_path):

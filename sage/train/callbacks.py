@@ -1,7 +1,8 @@
 """Training-time callbacks that are not TRL's: held-out accuracy every N optimiser steps (Figure 2:
 train reward vs held-out accuracy), sampled with the evaluator's own sampler and graded by each row's
-verifier through the run's grading pool; Optuna pruning on those periodic metrics; per-step timing lines; and
-a one-line warning when a vLLM rollout's importance-sampling ratio starts away from 1."""
+verifier through the run's grading pool; Optuna pruning on those periodic metrics; per-step timing lines; a
+one-line warning when a vLLM rollout's importance-sampling ratio starts away from 1; and one when the guide
+acted on almost no token."""
 
 from __future__ import annotations
 
@@ -205,6 +206,39 @@ class FirstRatioCheck(TrainerCallback):
                 "see docs/reference.md, 'The importance-sampling correction'",
                 ratio,
                 *RATIO_RANGE,
+            )
+
+
+GUIDE_ACTIVE_KEY = "guide/active_frac"
+GUIDE_ACTIVE_MIN = 0.01
+
+
+class GuideActivity(TrainerCallback):
+    """Warns in one line at the end of training when the guide changed q on under GUIDE_ACTIVE_MIN of the
+    completion tokens (the mean over the run of the trainer's logged ``guide/active_frac``): such a run is
+    its divergence's plain pi_ref anchor in all but name. An Optuna search whose threshold range lay above
+    the testbed's token entropies returned the same objective for every trial, and nothing said why.
+    ``knob``: the guide's key that sets where it acts (``guide.threshold=1.2``, else ``guide=<option>``);
+    ``hint``: what to change, appended to the line."""
+
+    def __init__(self, knob: str, hint: str = "") -> None:
+        self.knob, self.hint = knob, hint
+
+    def on_train_end(self, args, state, control, **kwargs):
+        values = [e[GUIDE_ACTIVE_KEY] for e in state.log_history if GUIDE_ACTIVE_KEY in e]
+        if not values or not distributed.is_main():
+            return
+        active = sum(values) / len(values)
+        if active < GUIDE_ACTIVE_MIN:
+            log.warning(
+                "%s: the guide acted on %.2f%% of completion tokens (%s, mean of %d logged steps), under "
+                "%g%%: the anchor was almost plain pi_ref%s",
+                self.knob,
+                100 * active,
+                GUIDE_ACTIVE_KEY,
+                len(values),
+                100 * GUIDE_ACTIVE_MIN,
+                f"; {self.hint}" if self.hint else "",
             )
 
 

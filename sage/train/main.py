@@ -40,7 +40,7 @@ from sage.config import (
 )
 from sage.metrics import metric_name
 from sage.models import lora_config
-from sage.paths import CONF_DIR, base_results_dir, cache_dir
+from sage.paths import CONF_DIR, base_results_dir, cache_dir, write_atomically
 from sage.reaper import reap_on_exit
 from sage.run_folder import (
     check_identity,
@@ -120,10 +120,16 @@ def longest_prompt(trainer, dataset) -> int:
 FINAL_FILE = "sage_final.json"
 
 
+def final_record(final: Path) -> dict:
+    """What a complete ``final/`` records of itself (``global_step``; ``untrained``: true when its weights
+    are the start model's); empty if there is none."""
+    marker = final / FINAL_FILE
+    return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
 def final_step(final: Path) -> int:
     """The optimiser step a complete ``final/`` was saved at; -1 if there is none."""
-    marker = final / FINAL_FILE
-    return json.loads(marker.read_text())["global_step"] if marker.is_file() else -1
+    return final_record(final).get("global_step", -1)
 
 
 def rl(
@@ -192,7 +198,10 @@ def rl(
             publish(saving, final)
             from sage.train.untrained import flag_untrained
 
-            flag_untrained(cfg, start_path, final, out)  # a warm-up-only run (max_steps=1) trained nothing
+            # a warm-up-only run (max_steps=1) trained nothing: recorded beside the model, for metrics.json
+            if flag_untrained(cfg, start_path, final, out):
+                record = {**final_record(final), "untrained": True}
+                write_atomically(final / FINAL_FILE, json.dumps(record))
         distributed.barrier()
     finally:  # an engine (its processes, its memory share) goes with the stage that uses it
         release_training_engine(trainer, environment)
@@ -279,10 +288,12 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rol
     if asked for (it hands its metrics to those callbacks; through the rollouts' engine if it has one)."""
     from sage.eval.sampling import SamplingSettings
     from sage.tracking import step_callback
-    from sage.train.callbacks import FirstRatioCheck, PeriodicEval, StepTimes
+    from sage.train.callbacks import FirstRatioCheck, GuideActivity, PeriodicEval, StepTimes
 
     extra = [config_callback(name, node) for name, node in cfg.callbacks.items()]
     cbs = ([step_callback(tracker)] if tracker is not None else []) + extra + [FirstRatioCheck()]
+    if cfg.guide._target_ != "sage.objective.guides.NoGuide":  # guide=none keeps q at 1 by design
+        cbs.append(GuideActivity(*guide_knob(cfg)))
     if hasattr(rollout_func, "rollout_seconds"):  # an engine that times its rollouts: a line per step
         cbs.append(StepTimes(rollout_func))
     if cfg.eval.every_steps:
@@ -308,6 +319,20 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rol
             )
         )
     return cbs
+
+
+def guide_knob(cfg: DictConfig) -> tuple[str, str]:
+    """The guide's key that sets where it acts, as set (``guide.threshold=1.2``, else ``guide=<option>``),
+    and what to change when it acts almost nowhere (sage.train.callbacks.GuideActivity)."""
+    threshold = cfg.guide.get("threshold")
+    if threshold is not None:
+        return (
+            f"guide.threshold={threshold}",
+            f"lower guide.threshold (this model's token-entropy q90 is model.branch_threshold="
+            f"{cfg.model.branch_threshold} nats)",
+        )
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    return f"guide={choices.get('guide') or cfg.guide._target_.rsplit('.', 1)[-1]}", ""
 
 
 def config_callback(name: str, node: DictConfig):
@@ -549,6 +574,8 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
                     )
             print("\n" + format_table(table, list(cfg.eval.ks), len(cfg.eval.seeds)))
         print(f"\nrun outputs: {out}")
+        if cfg.trl.max_steps > 0 and final_record(out / "final").get("untrained"):
+            metrics["untrained"] = True  # final/ is the start model (sage.train.untrained)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if tracker is not None:
             tracker.log_artifact(out / "metrics.json")
@@ -556,11 +583,37 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
     return metrics
 
 
+def interruption_hint(cfg: DictConfig) -> str:
+    """After an interrupted run: what its folder keeps and what a rerun does, naming the folder. resume=true
+    is offered only where a checkpoint exists to continue from (else it is refused): without one, nothing
+    of the training was saved and a rerun starts over."""
+    out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    rl_dir = out / "rl"
+    steps = [
+        int(d.name.removeprefix("checkpoint-"))
+        for d in (rl_dir.glob("checkpoint-*") if rl_dir.is_dir() else ())
+        if d.is_dir() and d.name.removeprefix("checkpoint-").isdigit() and checkpoint_problem(d) is None
+    ]
+    if steps:
+        return (
+            f"checkpoint-{max(steps)} and finished evaluation cells are kept in {out}; rerun with "
+            f"output_dir={out} resume=true to continue"
+        )
+    if final_step(out / "final") >= 0:
+        return f"the finished model is kept in {out}/final; rerun with output_dir={out} to evaluate it"
+    if cfg.trl.max_steps == 0:  # the start model's evaluation: its finished cells are in the shared cache
+        return f"finished evaluation cells are kept; rerun with output_dir={out} to evaluate the rest"
+    return (
+        f"no checkpoint was saved in {out} (trl.save_steps={cfg.trl.save_steps}): nothing of the training "
+        "is kept, and a rerun starts over"
+    )
+
+
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
     """Returns every metric of the run; a sweeper picks its objectives from them by name."""
     register_configs()  # a grid job (submitit) runs this function without main(); instantiation needs them
-    return exit_on_config_error(train, cfg)
+    return exit_on_config_error(train, cfg, rerun=functools.partial(interruption_hint, cfg))
 
 
 def main() -> None:
