@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdicts = []
     for (_, method, reference, seeds, m, r, iv, un), p_holm in zip(rows, adjusted, strict=True):
         v = verdict(p_holm, iv.lo, iv.hi, args.smallest)
-        verdicts.append((method, v))
+        verdicts.append((method, v, iv.diff))
         print(
             f"| {method} minus {reference} | {seeds[0]}-{seeds[-1]} ({len(seeds)}) | {m.mean():.4f} | "
             f"{r.mean():.4f} | {iv.diff:+.4f} [{iv.lo:+.4f}, {iv.hi:+.4f}] | {iv.p:.3g} | {p_holm:.3g} | "
@@ -109,20 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print()
     print(
-        f"Data: {', '.join(f'`{p.as_posix()}`' for p in args.data)}. Rule (declared before the runs): "
+        f"Data: {', '.join(f'`data/{p.name}`' for p in args.data)}. Rule (declared before the runs): "
         f"Holm-adjusted p below {ALPHA} moves the share; a paired interval within "
         f"(-{args.smallest}, +{args.smallest}) does not move it; otherwise inconclusive."
     )
     print()
-    moved = [method for method, v in verdicts if v == "moves the share"]
+    moved = [(method, d) for method, v, d in verdicts if v == "moves the share"]
     if moved:
+        which = ", ".join(f"{method} ({'up' if d > 0 else 'down'} by {abs(d):.4f})" for method, d in moved)
         print(
-            f"**Decision: {', '.join(moved)} moved the share.** A change of anchor strength at this world's "
-            "fork can move the primary, so the fork study's k3-Branch null is a calibrated statement about "
-            "a pull of at most 1.4x per position."
+            f"**Decision: {which} moved the share.** A change of anchor strength at this world's fork can "
+            "move the primary, so the fork study's k3-Branch null is a calibrated statement about a pull of "
+            "at most 1.4x per position."
         )
     else:
-        open_ = [method for method, v in verdicts if v == "inconclusive"]
+        open_ = [method for method, v, _ in verdicts if v == "inconclusive"]
         print(
             "**Decision: no arm moved the share.** This world cannot test k3-Branch: a pull 4x the plain "
             "anchor's, at the fork or everywhere, did not move the primary, so Branch's null is no evidence "
