@@ -669,8 +669,6 @@ def _real_step_times(
 def _real_backend(backend: str, steps: int, tokens: int) -> dict[str, list[float]]:
     """``_real_step_times`` of one backend on the real model and the bench's prompts (run in a process of
     its own by :func:`bench_real_rollout`)."""
-    import json as _json
-
     from datasets import Dataset
     from hydra import compose, initialize_config_dir
 
@@ -684,20 +682,18 @@ def _real_backend(backend: str, steps: int, tokens: int) -> dict[str, list[float
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct", "rollout=vllm"])
     model = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
-    rows = [_json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()]
+    rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()]
     easy = sorted((r for r in rows if r.get("level") == 1), key=lambda r: len(r["problem"]))[:REAL_PROMPTS]
     dataset = Dataset.from_list(
         [{"prompt": make_prompt(r["problem"], True), "answer": r["answer"]} for r in easy]
     )
-    engine = {k: cfg.rollout_func[k] for k in ("dtype", "engine_dtype", "cpu_memory_utilization")}
-    return _real_step_times(
-        backend,
-        model,
-        dataset,
-        steps,
-        tokens,
-        {k: str(v) if "dtype" in k else float(v) for k, v in engine.items()},
-    )
+    r = cfg.rollout_func
+    engine = {
+        "dtype": str(r.dtype),
+        "engine_dtype": str(r.engine_dtype),
+        "cpu_memory_utilization": float(r.cpu_memory_utilization),
+    }
+    return _real_step_times(backend, model, dataset, steps, tokens, engine)
 
 
 def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> dict[str, float | str]:
@@ -811,7 +807,7 @@ def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -
         wall = time.perf_counter() - t0
     finally:
         sampler.close()
-    sampled = sum(len(tokenizer(c, add_special_tokens=False).input_ids) for cs in out.completions for c in cs)
+    sampled = out.n_tokens  # the sampler's own count: every sampled token, the end token included
     computed = sum(len(x) for x in ids) + sampled
     achieved = 2 * matrix_params * computed / wall
     return {
