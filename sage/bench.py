@@ -515,7 +515,7 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
 
 
 def _real_step_times(
-    rollout: str, model: str, dataset, steps: int, tokens: int, engine: dict
+    rollout: str, model: str, dataset, steps: int, tokens: int, served: dict
 ) -> dict[str, list[float]]:
     """Per optimiser step of one ``rollout`` ("hf" or "vllm"): the step's wall seconds, its rollout's (the
     generation, and for vllm the adapter hand-over apart), and CPU seconds per wall second during the
@@ -577,9 +577,9 @@ def _real_step_times(
             rollout_func = VllmRollout(
                 args,
                 lora,
-                dtype=engine["dtype"],
-                engine_dtype=engine["engine_dtype"],
-                cpu_memory_utilization=engine["cpu_memory_utilization"],
+                dtype=served["dtype"],
+                engine_dtype=served["engine_dtype"],
+                cpu_memory_utilization=served["cpu_memory_utilization"],
             )
 
         class Steps(TrainerCallback):
