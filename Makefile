@@ -181,7 +181,7 @@ reproduce-graded: install  ## issue 15: the base model, Tables 1/3/4/6 on the gr
 	$(MAKE) reproduce-report
 
 reproduce-base: install  ## the testbed base model (built if not cached) and its figures against the targets
-	$(call timed,base,base model: build and measure,$(PY) -m sage.testbed.measure --markdown > $(RESULTS)/testbed_base.md)
+	$(call timed,base,base model: build and measure,$(PY) -m sage.eval.testbed_measure --markdown > $(RESULTS)/testbed_base.md)
 
 reproduce-table1: install  ## Table 1: every method, 5 seeds
 	$(call timed,table1,Table 1 ($(TABLE1_SEEDS)),$(SAGE_TRAIN) $(TABLE1_ARGS) && \
@@ -205,7 +205,7 @@ reproduce-table6: install  ## Table 6: Branch threshold x ratio
 	  --out $(RESULTS)/testbed_table6.md --figures-dir $(RESULTS)/figures_table6 --tables-dir $(RESULTS)/tables_table6)
 
 reproduce-fork: install  ## issue 22's runs: the fork world's base model and study, its primary comparison (-> testbed_fork.md)
-	$(call timed,fork,Fork world: base model and study ($(FORK_SEEDS)),$(PY) -m sage.testbed.measure \
+	$(call timed,fork,Fork world: base model and study ($(FORK_SEEDS)),$(PY) -m sage.eval.testbed_measure \
 	  --model tiny_fork --markdown > $(RESULTS)/testbed_fork_base.md && $(SAGE_TRAIN) $(FORK_ARGS) && \
 	  $(SAGE_REPORT) $(FORK_REPORT) --out $(RESULTS)/testbed_fork.md)
 
@@ -213,7 +213,7 @@ reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: 
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall time"; echo; \
 	  echo "$(call assembled_at,reproduce-fork-report) the report's provenance line names the commit its runs were made at."; \
 	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the commands:"; echo; \
-	  echo "- base: \`python -m sage.testbed.measure --model tiny_fork --markdown\`"; \
+	  echo "- base: \`python -m sage.eval.testbed_measure --model tiny_fork --markdown\`"; \
 	  echo "- the study: \`sage-train $(FORK_ARGS)\`"; \
 	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(REPRO)/time_fork.md 2>/dev/null ) > $(RESULTS)/testbed_fork_timings.md
 	( echo "## The declared primary and its positive control"; echo; \
@@ -230,7 +230,7 @@ reproduce-report:  ## docs/results/graded.md from the store: Table 1 with the ot
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall times"; echo; \
 	  echo "$(call assembled_at,reproduce-report) each table's provenance line names the commit its runs were made at."; \
 	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the parts' commands:"; echo; \
-	  echo "- base: \`python -m sage.testbed.measure --markdown\`"; \
+	  echo "- base: \`python -m sage.eval.testbed_measure --markdown\`"; \
 	  echo "- Table 1: \`sage-train $(TABLE1_ARGS)\`"; \
 	  echo "- Table 3: \`sage-train $(TABLE3_ARGS)\`"; \
 	  echo "- Table 4: \`sage-train $(TABLE4_ARGS)\`; its cosine rows are Table 1's guided runs at seeds $(TABLE_SEEDS)"; \

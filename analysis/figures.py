@@ -107,26 +107,38 @@ def passk_panels(sub: pd.DataFrame, ds: str, bands: pd.DataFrame | None = None):
 def reward_vs_accuracy(
     reward: pd.DataFrame, periodic: pd.DataFrame, kl_free: Collection[str], out_dir: Path
 ) -> Path:
-    """Figure 2: training reward (left) and held-out pass@1 during training (one panel per dataset) over
-    optimiser steps; rows without a KL anchor are dashed. ``reward``: row, seed, step, value;
-    ``periodic``: row, seed, dataset, step, value (may be empty: the reward panel alone)."""
-    # no periodic evaluation: the reward panel alone (the report's notes say how to get the other)
+    """Figure 2: training reward (left) and held-out pass@1 during training (one column per dataset) over
+    optimiser steps, one row of panels per method: its mean over seeds in colour with its band, every
+    other method's mean as a thin grey line behind it (methods that train alike drew one line over the
+    other in a shared panel, and one vanished). Methods without a KL anchor are dashed. ``reward``: row,
+    seed, step, value; ``periodic``: row, seed, dataset, step, value (may be empty: the reward alone)."""
+    # no periodic evaluation: the reward panels alone (the report's notes say how to get the other)
     datasets = sorted(periodic["dataset"].unique()) if len(periodic) else []
-    fig, axes = plt.subplots(1, 1 + len(datasets), figsize=(5 * (1 + len(datasets)), 4), squeeze=False)
     rows = sorted(reward["row"].unique(), key=row_key)
-    for row in rows:
-        _line(axes[0, 0], reward[reward["row"] == row], "step", row, dashed=row in kl_free)
-    axes[0, 0].set(xlabel="optimiser step", ylabel="mean reward", title="training reward")
-    for ax, ds in zip(axes[0, 1:], datasets, strict=True):
-        sub = periodic[periodic["dataset"] == ds]
-        for row in rows:
-            if (sub["row"] == row).any():
-                _line(ax, sub[sub["row"] == row], "step", row, dashed=row in kl_free)
-        ax.set(xlabel="optimiser step", ylabel="pass@1", title=f"held-out pass@1 ({ds})")
-    for ax in axes[0]:
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[0, 0].legend(fontsize=8)
+    ncols = 1 + len(datasets)
+    fig, axes = plt.subplots(
+        len(rows), ncols, figsize=(5 * ncols, 3 * len(rows)), sharex=True, sharey="col", squeeze=False
+    )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = [(reward, "mean reward", "training reward")] + [
+        (periodic[periodic["dataset"] == ds], "pass@1", f"held-out pass@1 ({ds})") for ds in datasets
+    ]
+    for i, row in enumerate(rows):
+        for ax, (frame, ylabel, title) in zip(axes[i], panels, strict=True):
+            for other in rows:
+                if other != row and (frame["row"] == other).any():
+                    m = _mean_band(frame[frame["row"] == other], "step").sort_values("step")
+                    style = "--" if other in kl_free else "-"
+                    ax.plot(m["step"], m["mean"], style, color=OTHER_ROWS, linewidth=0.8, zorder=2)
+            if (frame["row"] == row).any():
+                own = frame[frame["row"] == row]
+                _line(ax, own, "step", row, dashed=row in kl_free, color=colors[i % len(colors)])
+            ax.set(ylabel=ylabel, title=f"{row}: {title}")
+            ax.title.set_fontsize(9)
+            ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[-1]:
+        ax.set_xlabel("optimiser step")
     return _save(fig, out_dir / "reward_vs_heldout.png")
 
 
@@ -150,3 +162,21 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def anchor_buckets(history: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """One step x bucket figure per row (run_id, row, seed, bucket, stat, step, value: each cell the mean
+    over the row's seeds), drawn as each run's own ``anchor_buckets.png`` is (sage.train.figures)."""
+    from sage.train.figures import anchor_buckets_figure
+
+    paths = []
+    for row in sorted(history["row"].unique(), key=row_key):
+        mean = history[history["row"] == row].groupby(["step", "bucket", "stat"])["value"].mean()
+        log: dict[int, dict] = {}
+        for (step, bucket, stat), value in mean.items():
+            log.setdefault(int(step), {"step": int(step)})[f"anchor_buckets/{bucket}/{stat}"] = float(value)
+        path = out_dir / f"anchor_buckets_{_slug(row)}.png"
+        path = anchor_buckets_figure([log[s] for s in sorted(log)], path)
+        if path is not None:
+            paths.append(path)
+    return paths

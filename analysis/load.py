@@ -409,6 +409,24 @@ def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)
 
 
+BUCKET_KEY = re.compile(r"^train/anchor_buckets/(?P<bucket>[^/]+)/(?P<stat>[^/]+)$")
+
+
+def bucket_frame(client, runs: pd.DataFrame, stats: Sequence[str]) -> pd.DataFrame:
+    """Where the anchor acted during training (``train/anchor_buckets/<bucket>/<stat>``, sage.objective.
+    buckets) for the statistics ``stats``: run_id, bucket, stat, step, value; a step whose bucket was empty
+    (NaN) is left out."""
+    parts = []
+    for run_id, metrics in zip(runs["run_id"], runs["metrics"], strict=True):
+        for key in metrics:
+            m = BUCKET_KEY.match(key)
+            if m and m["stat"] in stats:
+                h = history_frame(client, [run_id], key)
+                parts.append(h[h["value"].notna()].assign(bucket=m["bucket"], stat=m["stat"]))
+    columns = ["run_id", "bucket", "stat", "step", "value"]
+    return pd.concat(parts)[columns] if parts else pd.DataFrame(columns=columns)
+
+
 def periodic_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
     """Held-out pass@1 during training (``pass_at_1/periodic/<dataset>``): run_id, dataset, step,
     value."""
@@ -454,6 +472,15 @@ def correctness(client, run_id: str, label: str, dataset: str, dst: Path) -> lis
         # savez names positional arrays arr_0, arr_1, ...: numeric order, not the archive's
         keys = sorted(npz.files, key=lambda f: int(f.removeprefix("arr_")))
         return [npz[f].astype(bool) for f in keys]
+
+
+def problem_ids(client, run_id: str, label: str, dataset: str, dst: Path) -> list[str] | None:
+    """The ids of the problems of ``correctness``'s matrices, in their order, as ``Tracker.log_eval`` logged
+    them (``<label>_<dataset>_problems.json``), or None (a run evaluated before they were logged)."""
+    name = f"eval/{label}/{label}_{dataset}_problems.json"
+    if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
+        return None
+    return json.loads(Path(client.download_artifacts(run_id, name, str(dst / run_id))).read_text())
 
 
 def run_config(client, run_id: str, dst: Path):

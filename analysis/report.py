@@ -39,9 +39,21 @@ from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
 from sage.parent_runs import PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
 from sage.tracking import PARENT_TAG, probe_limits, redact, resolve_uri, store_failure
+from sage.train.figures import BUCKETS
 from sage.train.untrained import UNTRAINED_TAG
 
 SOURCES = ["row", "seed", "run_id", "label"]
+# the training log's anchor_buckets/<bucket>/<stat> (sage.objective.buckets) the report tabulates
+BUCKET_TABLES = (
+    ("anchor_grad_share", "the anchor's share of the per-token gradient signal by token-entropy bucket, mean "
+     "over the logged training steps"),
+    ("q", "the guide's mean q by token-entropy bucket, mean over the logged training steps"),
+)  # fmt: skip
+BUCKET_TEXT = (
+    "Buckets: each step's token-entropy quintiles (q1 lowest) and the tokens above 1.2 nats (the Branch "
+    "guide's default threshold). The anchor's share is the sum of |anchor signal| over the bucket's tokens "
+    "over that of |anchor signal| + |policy-gradient signal| (sage.objective.buckets); 0 without an anchor."
+)
 NOISE_SENTENCE = (
     "A difference whose interval includes 0 is not distinguishable from seed and problem noise: it is not "
     "a result."
@@ -418,6 +430,12 @@ def perplexity_frame(
     return pd.DataFrame(out, columns=["row", "seed", "run_id", "ppl"]), notes
 
 
+def cap_per_source(ppl: pd.DataFrame, cap: int) -> pd.DataFrame:
+    """The first ``cap`` perplexities of each source, a (row, run) pair: a run that also supplies the base
+    row keeps ``cap`` of its trained samples, not what the base samples before them leave of one cap."""
+    return ppl.groupby(["row", "run_id"], group_keys=False, sort=False).head(cap)
+
+
 class ProblemValues:
     """Per-problem pass@k of every source, from the correctness matrices its evaluation logged: the data
     of the bootstrap intervals. Loaded once per (source, dataset); pass@k computed once per k."""
@@ -425,6 +443,7 @@ class ProblemValues:
     def __init__(self, client, src: pd.DataFrame, datasets: Sequence[str], asked: Sequence[int], tmp: Path):
         self.notes: list[str] = []
         self.mats: dict[tuple[str, str], dict[int, list[np.ndarray]]] = {}
+        self.ids: dict[str, set[tuple[str, ...] | None]] = {}  # per dataset: every source's problem ids
         self._cache: dict[tuple[str, str, int, int], np.ndarray] = {}
         for row, seed, run_id, label in src[src["seed"].isin(asked)][SOURCES].itertuples(index=False):
             for ds in datasets:
@@ -436,6 +455,8 @@ class ProblemValues:
                     )
                     continue
                 self.mats.setdefault((row, ds), {})[int(seed)] = m
+                ids = load.problem_ids(client, run_id, label, ds, tmp)
+                self.ids.setdefault(ds, set()).add(tuple(ids) if ids is not None else None)
 
     def shape(self, row: str, ds: str) -> tuple[int, int] | str:
         """(problems, samples) shared by every seed of a row, else why not."""
@@ -672,15 +693,27 @@ def moved_table(
     return t, pd.DataFrame(lines, columns=moved.SUMMARY), by_ds
 
 
-def dataset_labels(runs: pd.DataFrame, src: pd.DataFrame, ds: str) -> tuple[list[str], list[str]] | str:
-    """(ids, tiers) of the problems the report's runs evaluated on ``ds`` (``analysis.moved.problem_labels``
-    on their params, which must agree), or why there are none."""
+def dataset_labels(
+    runs: pd.DataFrame, src: pd.DataFrame, ds: str, logged: set[tuple[str, ...] | None] | None = None
+) -> tuple[list[str], list[str]] | str:
+    """(ids, tiers) of the problems the report's runs evaluated on ``ds``, or why there are none. The
+    testbed's problems are rebuilt from the runs' params (``analysis.moved.problem_labels``, which must
+    agree), with their tiers; a benchmark's ids are those its evaluations logged (``logged``: every source's,
+    None for a source that logged none), without tiers."""
     keys = (f"eval.datasets.{ds}.", "eval.limit", "model.source.world")
     used = runs.loc[runs["run_id"].isin(src["run_id"]), "params"]
     settings = {tuple(sorted((a, v) for a, v in p.items() if a.startswith(keys))) for p in used}
     if len(settings) != 1:
         return f"the runs evaluated {ds} under {len(settings)} different params"
-    return moved.problem_labels(dict(settings.pop()), ds)
+    rebuilt = moved.problem_labels(dict(settings.pop()), ds)
+    if not isinstance(rebuilt, str) or not logged:
+        return rebuilt
+    if None in logged:
+        return f"{rebuilt}, and some of its evaluations logged no problem ids"
+    if len(logged) > 1:
+        return f"{rebuilt}, and its evaluations logged {len(logged)} different lists of problem ids"
+    ids = list(next(iter(logged)))
+    return ids, [""] * len(ids)
 
 
 def problems_csv(
@@ -852,13 +885,14 @@ def make_report(
     figs: dict[str, Path] = {}
     sections: list[str] = []
 
-    def add(t: Table, heading: str, text: str = "") -> None:
+    def add(t: Table, heading: str | None, text: str = "") -> None:
         made[t.name] = t
         write_table(t, tables_dir, digits)
         caption = t.title + "." + (" " + text if text else "")
         below = "".join(f"\n- {n}" for n in t.notes)  # a table's own notes (its family, its power)
         below = "\n" + below + "\n" if below else ""
-        sections.append(f"## {heading}\n\n{caption}\n\n{tables.to_markdown(t, digits)}\n{below}")
+        head = f"## {heading}\n\n" if heading else ""  # None: under the table before it
+        sections.append(f"{head}{caption}\n\n{tables.to_markdown(t, digits)}\n{below}")
 
     add(tables.ablation_table(meas, asked, ks), "Methods (Tables 1, 3, 4, 9)")
     for kx in extra_ks:  # the same table at other k (e.g. Table 1 at k = 8 beside k = 64)
@@ -932,7 +966,7 @@ def make_report(
             )
         pairs = moved_pairs(ref_row, trained_rows, base_rows)
         if pairs:
-            labels = {ds: dataset_labels(runs, src, ds) for ds in datasets}
+            labels = {ds: dataset_labels(runs, src, ds, pv.ids.get(ds)) for ds in datasets}
             ids = {ds: v[0] for ds, v in labels.items() if not isinstance(v, str)}
             t, numbers, by_ds = moved_table(pv, pairs, ks, lost_threshold, ids)
             caption = MOVED_CAPTION.format(threshold=lost_threshold, level=bootstrap.LEVEL)
@@ -975,6 +1009,31 @@ def make_report(
         "Gradient norm by thirds of training (Table 5)",
     )
 
+    buckets = trained[["run_id", "row", "seed"]].merge(
+        load.bucket_frame(client, trained, [stat for stat, _ in BUCKET_TABLES]), on="run_id"
+    )
+    if buckets.empty:
+        notes.append(
+            "no 'Where the anchor acted' section: no run logged train/anchor_buckets/<bucket>/<stat> "
+            "(sage.objective.buckets)"
+        )
+    else:
+        heading = "Where the anchor acted, by token entropy"
+        trained_rows = sorted(trained["row"].unique(), key=tables.row_key)
+        for stat, title in BUCKET_TABLES:
+            per_run = buckets[buckets["stat"] == stat].groupby(["row", "seed", "bucket"], as_index=False)
+            frame = per_run["value"].mean().rename(columns={"bucket": "column"})
+            columns = [b for b in BUCKETS if b in set(frame["column"])]
+            t = tables.seed_table(
+                frame, asked, columns, name=f"anchor_buckets_{stat}", title=title, rows=trained_rows
+            )
+            add(t, heading, BUCKET_TEXT if stat == BUCKET_TABLES[0][0] else "")
+            heading = None
+        for p in figures.anchor_buckets(buckets, figures_dir):
+            figs[p.stem] = p
+            caption = f"where the anchor acted, {p.stem.removeprefix('anchor_buckets_')}: step x bucket"
+            sections.append(_figure(p, out, caption + ", each cell the mean over the row's seeds"))
+
     frames = analysis_frames(runs, src, datasets)
     rows_all = sorted(src["row"].unique(), key=tables.row_key)
     for kind, name, heading, title, text in ANALYSES:
@@ -994,7 +1053,7 @@ def make_report(
             tags_of = dict(zip(runs["run_id"], runs["tags"], strict=True))
             ppl, pnotes = perplexity_frame(client, src, datasets, Path(tmp_name), tags_of)
         notes += pnotes
-        ppl = ppl.groupby("run_id", group_keys=False).head(perplexity_cap)
+        ppl = cap_per_source(ppl, perplexity_cap)
         if len(ppl):
             add(
                 perplexity_table(ppl),

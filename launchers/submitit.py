@@ -145,7 +145,7 @@ class _SageSubmitit:
     def _start(self, job_overrides, initial_job_idx: int) -> tuple[Any, list[tuple]]:
         """Make the sweep dir and the grid's MLflow parent run (``sage.grid``; not when a sweeper that
         owns one, Optuna's, launches); submitit's executor and each job's call arguments."""
-        from sage.grid import compared, grid_key, open_parent, sets
+        from sage.grid import compared, grid_jobs, grid_key, open_parent, sets
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ class _SageSubmitit:
         tracking = self.config.get("tracking")  # type: ignore[attr-defined]
         if tracking is not None and not any(sets(o, "tracking.parent_run_id") for o in job_overrides):
             # named by what the grid compares, so the MLflow UI lists grids by content, not by time
-            name = compared(job_overrides) or f"grid-{sweep_dir.name}"
+            name = compared(grid_jobs(sweep_dir, job_overrides)) or f"grid-{sweep_dir.name}"
             self.parent_id = open_parent(tracking, grid_key(sweep_dir), name=name)
         return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
 

@@ -22,8 +22,8 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
   ``rollout=vllm`` (the adapter served by vLLM's CPU build), each step split into the rollout and the rest,
   with the engine's CPU seconds per wall second while it decodes;
 - engine: the real 0.5B model's evaluation through vLLM in the dtype its engines serve in here
-  (``model.engine_dtype=auto``), as FLOP/s of the tokens it computes, beside the matrix-product limit this
-  process measures in that dtype, and their ratio;
+  (``model.engine_dtype=auto``), eager and compiled (``eval.vllm_compile``), as FLOP/s of the tokens it
+  computes, beside the matrix-product limit this process measures in that dtype, and their ratio;
 - vllm_seeding: seconds per block (30 prompts x 8 samples, ChatML prompts long enough that prefills are
   chunked) of the vLLM CPU build with seeds per request (chunked prefill off: on, it stops with "CPU
   Generator does not use offset") and with the engine seeded per block (``VllmSampler``), interleaved.
@@ -765,18 +765,21 @@ def _gemm_flops(dtype: torch.dtype, rows: int, inner: int, cols: int, repeats: i
 def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -> dict[str, float | str]:
     """The real 0.5B model's evaluation through vLLM's engine in the dtype it serves in here
     (``model.engine_dtype=auto``: bfloat16 on a CPU with bfloat16 arithmetic), beside this machine's
-    matrix-product limit in that dtype. The limit is the best of two products timed in this process on its
-    cores: the model's widest layer (896 x 4864) at the decode batch's rows, and a square one of 2048. The
-    evaluation's rate counts every token the engine computes (each prompt's prefill once, since vLLM
-    shares a prompt's cache among its samples, and every sampled token) at 2 x the model's matrix
-    parameters in FLOPs per token; ``engine_over_gemm_limit`` is that rate over the limit."""
+    matrix-product limit in that dtype; run eager, then compiled (``eval.vllm_compile``, which a real model's
+    evaluation gets by default), one engine after the other. The limit is the best of two products timed in
+    this process on its cores: the model's widest layer (896 x 4864) at the decode batch's rows, and a
+    square one of 2048. The evaluation's rate counts every token the engine computes (each prompt's prefill
+    once, since vLLM shares a prompt's cache among its samples, and every sampled token) at 2 x the model's
+    matrix parameters in FLOPs per token; ``engine_over_gemm_limit`` is that rate over the limit, for the
+    engine as sage-eval builds it, and ``engine_start_seconds`` its build, compilation and first block."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
     from sage.config import engine_dtype, register_configs
     from sage.data.benchmarks import math_data
     from sage.eval.checkpoint import Checkpoint
-    from sage.eval.sampling import SamplingSettings, VllmSampler, tokenize_prompts
+    from sage.eval.sampling import SamplingSettings, VllmSampler, compiles, tokenize_prompts
     from sage.models import from_package_gguf
     from sage.paths import CONF_DIR
 
@@ -798,27 +801,36 @@ def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -
     rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()][:prompts]
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenize_prompts(tokenizer, rows, chat=True)
-    sampler = VllmSampler(Checkpoint.resolve(path), dtype, cfg.eval)  # as sage-eval builds it
-    try:
-        settings = SamplingSettings(samples, 1.0, 1.0, ENGINE_TOKENS, chat=True, seed=0)
-        sampler.sample(ids[:2], SamplingSettings(2, 1.0, 1.0, 8, chat=True, seed=0))  # one-off costs
-        t0 = time.perf_counter()
-        out = sampler.sample(ids, settings)
-        wall = time.perf_counter() - t0
-    finally:
-        sampler.close()
-    sampled = out.n_tokens  # the sampler's own count: every sampled token, the end token included
-    computed = sum(len(x) for x in ids) + sampled
-    achieved = 2 * matrix_params * computed / wall
-    return {
+    checkpoint = Checkpoint.resolve(path)
+    default = compiles(checkpoint, cfg.eval.vllm_compile)
+    out: dict[str, float | str] = {
         "engine_dtype": dtype,
         "engine_shape": f"{prompts} MATH-500 prompts x {samples} samples x <= {ENGINE_TOKENS} tokens",
-        "engine_sampled_tokens_per_second": round(sampled / wall, 1),
-        "engine_gflops": round(achieved / 1e9, 1),
+        "engine_compiled_by_default": default,
         "gemm_limit_gflops": round(limit / 1e9, 1),
-        "engine_over_gemm_limit": round(achieved / limit, 2),
-        "cores": len(os.sched_getaffinity(0)),
     }
+    for compiled in (False, True):
+        started = time.perf_counter()
+        eval_cfg = OmegaConf.merge(cfg.eval, {"vllm_compile": compiled})
+        sampler = VllmSampler(checkpoint, dtype, eval_cfg)  # as sage-eval builds it
+        try:
+            settings = SamplingSettings(samples, 1.0, 1.0, ENGINE_TOKENS, chat=True, seed=0)
+            sampler.sample(ids[:2], SamplingSettings(2, 1.0, 1.0, 8, chat=True, seed=0))  # one-off costs
+            start_seconds = time.perf_counter() - started
+            t0 = time.perf_counter()
+            sampled = sampler.sample(ids, settings).n_tokens  # every sampled token, the end token included
+            wall = time.perf_counter() - t0
+        finally:
+            sampler.close()
+        achieved = 2 * matrix_params * (sum(len(x) for x in ids) + sampled) / wall
+        way = "" if compiled == default else "_eager" if not compiled else "_compiled"
+        out |= {
+            f"engine{way}_start_seconds": round(start_seconds, 1),
+            f"engine{way}_sampled_tokens_per_second": round(sampled / wall, 1),
+            f"engine{way}_gflops": round(achieved / 1e9, 1),
+            f"engine{way}_over_gemm_limit": round(achieved / limit, 2),
+        }
+    return out | {"cores": len(os.sched_getaffinity(0))}
 
 
 BENCHES = {

@@ -230,6 +230,14 @@ class EvalConfig:
         default=0.3,
         metadata={"help": "vLLM's CPU build: the fraction of the memory node it reserves (same vLLM flag)"},
     )
+    vllm_compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "whether the evaluation engine compiles the model (torch.compile; CUDA graphs on a GPU) "
+            "or runs it eager; None: compile a model whose weights take at least 200 MB (a real model: "
+            "faster sampling repays the compilation), run a testbed model eager (sage.eval.sampling)"
+        },
+    )
     batch_size: int = field(default=512, metadata={"help": "sequences per decode batch (hf backend)"})
     at_end: bool = field(default=True, metadata={"help": "evaluate base and trained model after training"})
     every_steps: int | None = field(

@@ -12,13 +12,15 @@
   ``report/figures/*.png``, ``report/tables/*.csv``), and the grid prints its answer: the differences
   against the reference row with their intervals, one line per compared pair with the problems it lost and
   gained and where its pass@k curves cross, the report's folder and the parent run's MLflow URL.
-- ``compared``: the parent run's name, what the grid compared (``experiment=grpo,grpo_branch x seed=1,2``).
+- ``compared``: the parent run's name, what the grid compared (``experiment=grpo,grpo_branch x seed=1,2``),
+  over every launch into its sweep dir (``grid_jobs``): an extended grid's parent is renamed to match.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import tempfile
 from collections.abc import Sequence
@@ -27,10 +29,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from sage.parent_runs import PARENT_KIND, PARENT_NOTE, STUDY_TAG, SWEEP_TAG, log_report_files
+from sage.paths import write_atomically
 from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
 log = logging.getLogger(__name__)
 
+JOBS_FILE = ".grid_jobs.json"  # in a sweep dir: the jobs of every launch into it (grid_jobs)
 # Overrides that never tell two jobs' results apart (where a job writes, logs, resumes): not in run names.
 UNNAMED = ("hydra", "tracking", "callbacks", "resume", "output_dir")
 
@@ -91,6 +95,17 @@ def grid_key(sweep_dir: Path) -> tuple[str, str]:
     return SWEEP_TAG, str(Path(sweep_dir).resolve())
 
 
+def grid_jobs(sweep_dir: Path, job_overrides: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Every job the launches into ``sweep_dir`` asked for, in order, this launch's included: what the grid
+    compares once extended (a second launch with more seeds or methods). Kept in ``JOBS_FILE`` there,
+    written by the driver that holds the sweep dir (``sage.run_folder.GridWritersCheck``)."""
+    path = Path(sweep_dir) / JOBS_FILE
+    jobs = json.loads(path.read_text()) if path.is_file() else []
+    jobs += [list(o) for o in job_overrides if list(o) not in jobs]
+    write_atomically(path, json.dumps(jobs, indent=1))
+    return jobs
+
+
 def study_key(study_name: str, storage: str) -> tuple[str, str]:
     """(tag, value) that finds an Optuna study's parent run: the study's name and its storage (password
     hidden), wherever its launches write."""
@@ -108,7 +123,8 @@ def open_parent(tracking: DictConfig, key: tuple[str, str], name: str) -> str | 
     earlier = client.search_runs([exp_id], f"tags.`{tag}` = '{value}'", max_results=1)
     if earlier:
         run_id = earlier[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
+        # an extended grid compares more than its first launch did: the name says what it compares now
+        client.update_run(run_id, status="RUNNING", name=name)
         log.info("MLflow parent run %s of %s (continued) in %s", run_id, value, redact(uri))
         return run_id
     tags = {tag: value, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}

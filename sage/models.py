@@ -94,7 +94,7 @@ def from_gguf(path: str) -> str:
     transformers loads a GGUF dequantised but refuses to save or train such a model, and takes the
     tokenizer's eos from its BPE conversion rather than from the file; ``convert_gguf`` says what it
     does about both."""
-    from sage.eval.checkpoint import file_digest
+    from sage.paths import file_digest
 
     file = _gguf_file(Path(path))
     gguf_metadata(file)  # before hashing 0.5 GB: an unsupported file fails in one line, now

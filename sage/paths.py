@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -366,3 +367,19 @@ class MainDecision:
         distributed.barrier()  # every process has read the decision: the file can go
         if distributed.is_main():
             self.path.unlink(missing_ok=True)
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, memoised per (path, size, mtime) so that one process hashes a large
+    checkpoint once however often it is evaluated (sage.eval.checkpoint) or converted (sage.models)."""
+    st = path.stat()
+    return _digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()

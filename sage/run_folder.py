@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from sage.errors import ConfigError
+from sage.paths import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ EXTENDING_KEYS = ("trl.max_steps", "eval.*")
 
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".writer.lock"
+GRID_LOCK_FILE = ".grid.lock"  # held by a grid's driver in its sweep dir
 CONFIG_FILE = "config.yaml"  # the resolved config of the run's latest attempt (sage.train.main)
 
 
@@ -216,16 +219,21 @@ def writer_lock(out: Path) -> Iterator[None]:
             held.close()
 
 
-def _acquire(out: Path):
-    path = out / LOCK_FILE
+def _acquire(out: Path, name: str = LOCK_FILE, refusal: Callable[[str], str] | None = None):
+    """An exclusive lock on ``out/name`` whose file names this process (pid, host, since when), or a
+    ConfigError: ``refusal(holder)`` (default: the run writer's line)."""
+    path = out / name
     while True:
         lock = open(path, "a+")  # noqa: SIM115 (held for the life of the run)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
+            who = holder(out, name)
             raise ConfigError(
-                f"output_dir={out} is being written by another run ({holder(out)}); "
+                refusal(who)
+                if refusal is not None
+                else f"output_dir={out} is being written by another run ({who}); "
                 "wait for it to end, or choose another output_dir"
             ) from None
         # A holder that was ending removed the file this one opened: the lock is the file now at the path.
@@ -238,18 +246,20 @@ def _acquire(out: Path):
         lock.close()
     lock.seek(0)
     lock.truncate()
-    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}))
     lock.flush()
     return lock
 
 
-def holder(out: Path) -> str:
-    """Who holds ``out``'s writer lock, as its file says. The holder writes it just after taking the lock,
-    so an empty file is read again for a moment."""
+def holder(out: Path, name: str = LOCK_FILE) -> str:
+    """Who holds ``out``'s lock ``name`` (the writer's), as its file says. The holder writes it just after
+    taking the lock, so an empty file is read again for a moment."""
     for _ in range(20):
         try:
-            who = json.loads((out / LOCK_FILE).read_text())
-            return f"pid {who['pid']} on host {who['host']}"
+            who = json.loads((out / name).read_text())
+            since = f" since {who['since']}" if "since" in who else ""
+            return f"pid {who['pid']} on host {who['host']}{since}"
         except (OSError, ValueError, KeyError):
             time.sleep(0.05)
     return "a process that has not yet written its pid and host"
@@ -309,14 +319,45 @@ class GridWritersCheck(Callback):
     """``hydra.callbacks.grid_writers`` (conf/train.yaml): before a grid submits anything, a job whose folder
     another run is writing (a second driver over a running grid's sweep dir) stops the grid with one line
     naming the holder, exit code 2. Submitted, the job would be refused by its writer lock, and a launcher
-    reports a job's failure as its own (submitit's: the job's error stream and the driver's traceback)."""
+    reports a job's failure as its own (submitit's: the job's error stream and the driver's traceback).
+
+    A grid's driver also holds its sweep dir (``.grid.lock``) until the grid ends: a second grid into the
+    same sweep dir would otherwise run under the first one's MLflow parent run and name, and Hydra's
+    ``multirun.yaml`` would keep only the last grid's sweep."""
+
+    def __init__(self) -> None:
+        self._driver = None
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        line = held_grid_job(config)
+        from omegaconf import OmegaConf
+
+        line = None
+        if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
+            sweep_dir = Path(str(config.hydra.sweep.dir))
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                refusal = functools.partial(_driven, sweep_dir)
+                self._driver = _acquire(sweep_dir, GRID_LOCK_FILE, refusal=refusal)
+            except ConfigError as e:
+                line = str(e)
+        line = line or held_grid_job(config)
         if line is not None:
             # A callback's exception is only a warning to Hydra: the refusal exits here, before any launch.
             print(f"error: {line}", file=sys.stderr)
             sys.exit(2)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if self._driver is not None:
+            (Path(str(config.hydra.sweep.dir)) / GRID_LOCK_FILE).unlink(missing_ok=True)  # still held
+            self._driver.close()
+            self._driver = None
+
+
+def _driven(sweep_dir: Path, who: str) -> str:
+    return (
+        f"hydra.sweep.dir={sweep_dir} is being driven by another grid ({who}); wait for it to end, or "
+        "choose another hydra.sweep.dir"
+    )
 
 
 def on_main(check: Callable[[], None]) -> None:
@@ -398,12 +439,14 @@ def keep_earlier_final(
     final: Path, step: int, retag: Callable[[dict, str], None] | None = None
 ) -> Path | None:
     """An extended run replaces ``final/``: the earlier one moves, whole, to ``final-step-<step>/``, so the
-    ``sage-eval`` results inside it stay beside the weights they measured. The records of those
-    evaluation runs (``mlflow_run_id.<key>.json``) are updated to the new folder, and ``retag(record,
-    new path)`` points each run's ``checkpoint`` tag there. Returns the new folder (None: no final/)."""
+    ``sage-eval`` results inside it stay beside the weights they measured. Their ``results.json`` and the
+    records of those evaluation runs (``mlflow_run_id.<key>.json``) are updated to the new folder, and
+    ``retag(record, new path)`` points each run's ``checkpoint`` tag there. Returns the new folder (None:
+    no final/)."""
     if not final.is_dir():
         return None
     name = f"final-step-{step}" if step >= 0 else "final-step-unknown"
+    moved = str(final.resolve())
     aside, n = final.with_name(name), 1
     while aside.exists():  # the same step kept before (a run pruned, then extended): keep both
         n += 1
@@ -417,6 +460,11 @@ def keep_earlier_final(
         os.replace(final, aside)
     log.info("the earlier final model (step %d) and its evaluations are kept in %s", step, aside)
     eval_dir = aside / "eval"
+    results = eval_dir / "results.json"
+    if results.is_file():  # the model it names is the one that moved
+        payload = json.loads(results.read_text())
+        if payload.get("checkpoint") == moved:
+            write_atomically(results, json.dumps({**payload, "checkpoint": str(aside.resolve())}, indent=1))
     for record_file in sorted(eval_dir.glob("mlflow_run_id*.json")) if eval_dir.is_dir() else []:
         record = json.loads(record_file.read_text())
         record["folder"] = str(eval_dir.resolve())

@@ -257,10 +257,11 @@ class Tracker:
         a base model), so the evaluations of a run extended to more steps form a history; with one
         evaluation seed no ``_std`` (it would chart as nothing). The whole curve k = 1..n as a series with
         step = k. Artifacts: the correctness matrices of every seed (npz: arr_0, arr_1, ... problems x
-        samples, for machines); for a person, ``eval/passk_<dataset>.png`` (pass@k against log k, every label
-        evaluated so far, mean over seeds with the seeds' range as a band) and its numbers as
-        ``eval/passk_<dataset>.csv``, and the completions of the first seed for the first ``n_problems``
-        problems (None: all) as an MLflow table with prompt, gold, completion, extracted answer and correct
+        samples, for machines) and, given ``rows``, the ids of their problems in order (``_problems.json``);
+        for a person, ``eval/passk_<dataset>.png`` (pass@k against log k, every label evaluated so far,
+        mean over seeds with the seeds' range as a band) and its numbers as ``eval/passk_<dataset>.csv``,
+        and the completions of the first seed for the first ``n_problems`` problems (None: all) as an MLflow
+        table with prompt, gold, completion, extracted answer and correct
         (prompt and gold need ``rows``, the dataset's rows). A point the run already holds (same key, step
         and value: a resumed run evaluating the same model again) is not logged twice."""
         from sage.metrics import metric_name, pass_at_k_curve
@@ -307,6 +308,11 @@ class Tracker:
             matrices = Path(tmp) / f"{label}_{dataset}_correct.npz"
             np.savez_compressed(matrices, *result["correct"])
             self.client.log_artifact(self.run_id, str(matrices), artifact_path=f"eval/{label}")
+            if rows is not None and len(rows) == record["problems"] and all("id" in r for r in rows):
+                # the matrices' rows are these problems, in this order: a report names them by id
+                ids = Path(tmp) / f"{label}_{dataset}_problems.json"
+                ids.write_text(json.dumps([str(r["id"]) for r in rows]))
+                self.client.log_artifact(self.run_id, str(ids), artifact_path=f"eval/{label}")
             table = passk_table(self._curves[dataset])
             csv = Path(tmp) / f"passk_{dataset}.csv"
             table.to_csv(csv, index=False)

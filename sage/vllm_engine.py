@@ -71,12 +71,15 @@ def build_llm(
     cpu_memory_utilization: float,
     tensor_parallel_size: int = 1,
     share_key: str = "gpu_memory_utilization",
+    compiled: bool | None = None,
     **engine_args,
 ):
     """vLLM's ``LLM`` on ``model`` (a LoRA adapter of rank ``lora_rank`` servable, None: no LoRA), with the
     seeding extension. On a GPU it takes ``gpu_memory_utilization`` (the config key ``share_key``) of this
     process's own GPU, refused in one line when that much is not free; the CPU build reserves
-    ``cpu_memory_utilization`` of the memory node and runs eager, on this process's cores."""
+    ``cpu_memory_utilization`` of the memory node and runs on this process's cores. ``compiled``: whether
+    the engine compiles the model or runs it eager; None: vLLM's default on a GPU (compiled), eager on a
+    CPU (the training rollouts' small models, whose compilation costs more than it saves)."""
     from vllm import LLM
 
     if torch.cuda.is_available():
@@ -87,6 +90,8 @@ def build_llm(
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,
         }
+        if compiled is not None:
+            device["enforce_eager"] = not compiled
         # what the training stage left in the cache allocator is free memory to the engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -95,8 +100,9 @@ def build_llm(
         from sage import vllm_worker  # the CPU LoRA ops, for an engine that runs in this process
 
         vllm_worker.install()
-        device = {"enforce_eager": True, "gpu_memory_utilization": cpu_memory_utilization}
-    log.info("vLLM engine: %s in %s", model, dtype)
+        device = {"enforce_eager": not compiled, "gpu_memory_utilization": cpu_memory_utilization}
+    mode = "eager" if device.get("enforce_eager") else "compiled"
+    log.info("vLLM engine: %s in %s (%s)", model, dtype, mode)
     with own_gpu(tensor_parallel_size), cpu_binding():
         return LLM(
             model=model,

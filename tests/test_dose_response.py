@@ -84,7 +84,9 @@ def test_an_arm_that_moves_the_share_and_one_that_does_not(tmp_path):
         "| moves the share |"
     )
     assert rows[1].endswith("| does not move it |"), rows[1]
-    assert re.search(r"\*\*Decision: grpo_fork_q4 \(up by 0\.0\d{3}\) moved the share\.\*\*", r.stdout), r.stdout
+    assert re.search(r"\*\*Decision: grpo_fork_q4 \(up by 0\.0\d{3}\) moved the share\.\*\*", r.stdout), (
+        r.stdout
+    )
     # the printed paired interval is bootstrap's on the same arrays
     runs = [c.run() for c in pc.read_data_file(moved)[1]]
     iv = dose.bootstrap.difference(

@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from sage.config import ConfigError, register_configs, validate
 from sage.data.prompts import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from sage.eval.analyses import strategy_mix, tier_figures
+from sage.eval.testbed_measure import fork_figures
 from sage.objective.divergences import k3
 from sage.objective.guides import BranchGuide, ForkGuide, RareForkGuide, branch_q, rare_fork_q
-from sage.testbed.measure import fork_figures
 from sage.testbed.task import (
     CARRY,
     FORK_MARKERS,

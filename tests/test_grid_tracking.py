@@ -3,6 +3,7 @@ jobs are nested under (reused when the grid is rerun), and the grid's report log
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import prefork
@@ -90,6 +91,26 @@ def test_jobs_are_children_of_one_parent_that_a_rerun_reuses(tmp_path):
     assert len(client.search_runs([exp], "tags.`sage.kind` = 'grid'")) == 2  # sweep and other, once each
 
 
+def test_an_extended_grids_parent_is_renamed_to_what_it_now_compares(tmp_path):
+    """Issue 47: a grid extended in its sweep dir kept its first name, "experiment=grpo,grpo_branch x
+    seed=1,2", over four methods."""
+    from sage.grid import JOBS_FILE, compared, grid_jobs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = cfg_for(f"tracking.uri={uri}", "tracking.experiment=grid").tracking
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    first = [[f"experiment={m}", f"seed={s}"] for m in ("grpo", "grpo_branch") for s in (1, 2)]
+    parent = open_parent(tracking, grid_key(sweep), name=compared(grid_jobs(sweep, first)))
+    more = [[f"experiment={m}", f"seed={s}"] for m in ("grpo_no_kl", "grpo_forward_kl") for s in (1, 2)]
+    more.append(["experiment=grpo", "seed=1"])  # asked again: one job
+    name = compared(grid_jobs(sweep, more))
+    assert name == "experiment=grpo,grpo_branch,grpo_no_kl,grpo_forward_kl x seed=1,2"
+    assert open_parent(tracking, grid_key(sweep), name=name) == parent
+    assert MlflowClient(uri).get_run(parent).info.run_name == name
+    assert len(json.loads((sweep / JOBS_FILE).read_text())) == 8
+
+
 def test_a_study_has_one_parent_whatever_sweep_dir_its_launches_write_to(tmp_path):
     """An Optuna study resumed by a second launch (another hydra.sweep.dir, the same name and storage) is one
     study: its trials nest under one parent run; another storage or name is another study. The storage's
@@ -113,7 +134,7 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = cfg_for(f"tracking.uri={uri}", "tracking.experiment=artifacts")
-    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}]
+    rows = [{"id": "a/1", "problem": "1+1?", "answer": "2"}, {"id": "a/7", "problem": "2+2?", "answer": "4"}]
     completions = [["<SOLUTION>2</SOLUTION>", "3"], ["<SOLUTION>5</SOLUTION>", "<SOLUTION>4</SOLUTION>"]]
     correct = np.array([[True, False], [False, True]])
     one_seed = {
@@ -146,6 +167,8 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
     assert base.loc[1, "mean"] == 0.5 and base.loc[2, "mean"] == 1.0 and np.isnan(base.loc[1, "std"])
     trained = table[table.label == "trained"].set_index("k")  # seeds: 0.5 and 1.0
     assert trained.loc[1, "mean"] == 0.75 and (trained.loc[1, "min"], trained.loc[1, "max"]) == (0.5, 1.0)
+    # the matrices' problems by id, in their order: a report's per-problem CSV names them
+    assert json.loads((folder / "trained" / "trained_ds_problems.json").read_text()) == ["a/1", "a/7"]
     logged = json.loads((folder / "base" / "base_ds_completions_step0.json").read_text())
     frame = pd.DataFrame(logged["data"], columns=logged["columns"])
     assert list(frame.columns) == [

@@ -121,6 +121,50 @@ def test_category_shares_and_lift_by_hand():
     assert where["mean_entropy"]["number"] == pytest.approx(1.05)
 
 
+def test_lift_intervals_resample_solutions_not_tokens():
+    """Two solutions, identical in every resample-relevant way: a resample of solutions is one of (a, a),
+    (a, b), (b, b), and each gives the same lift, so the interval is a point. Resampling tokens instead
+    would spread it."""
+    categories = np.array(["number", "operator"] * 2, dtype=object)
+    selected = np.array([True, False] * 2)
+    solution = np.array([0, 0, 1, 1])
+    iv = gd.lift_intervals(categories, selected, solution, draws=200)
+    assert iv["number"] == pytest.approx((2.0, 2.0)) and iv["operator"] == pytest.approx((0.0, 0.0))
+    assert all(math.isnan(v) for v in iv["whitespace"])  # in no solution
+
+
+@pytest.mark.parametrize("solutions", [30, 80])
+def test_lift_intervals_cover_the_true_lift_when_solutions_differ(solutions):
+    """Coverage by simulation, clustered data with unequal solutions: each solution has its own rate of
+    approach words among its high-entropy tokens (a solution-level effect that resampling tokens would
+    ignore) and its own length. The true lift is the one the simulation converges to; the 95% interval over
+    solutions must hold it in at least 90% of 300 simulated samples (80 solutions: the pages' sample)."""
+    rng = np.random.default_rng(5)
+    base_p, high_rate, sims, hits = 0.1, 0.12, 300, 0
+    # the shares it converges to: E[p_high] above the threshold, 0.12 E[p_high] + 0.88 base_p overall
+    p_high_mean = np.clip(rng.normal(0.3, 0.15, 1_000_000), 0, 1).mean()
+    true = p_high_mean / (high_rate * p_high_mean + (1 - high_rate) * base_p)
+    for sim in range(sims):
+        lengths = rng.integers(50, 400, solutions)
+        sol = np.repeat(np.arange(solutions), lengths)
+        p_high = np.clip(rng.normal(0.3, 0.15, solutions), 0.0, 1.0)[sol]  # each solution's own rate
+        high = rng.random(len(sol)) < high_rate
+        approach = np.where(high, rng.random(len(sol)) < p_high, rng.random(len(sol)) < base_p)
+        cats = np.where(approach, "approach_word", "other").astype(object)
+        lo, hi = gd.lift_intervals(cats, high, sol, draws=400, seed=sim)["approach_word"]
+        hits += lo <= true <= hi
+    assert hits / sims >= 0.90, hits / sims
+
+
+def test_branch_and_archer_side_by_side_by_entropy_bin():
+    q_branch = np.array([1.0, 1.0, 1.4, 1.4])
+    q_archer = np.array([1.2, 1.2, 0.5, 0.5])
+    h = np.array([0.05, 0.05, 1.5, 3.0])
+    bins = gd.pair_by_entropy(q_branch, q_archer, h, (0.0, 0.1, 1.2))
+    assert [(b["low"], b["share"]) for b in bins] == [(0.0, 0.5), (1.2, 0.5)]  # the empty bin left out
+    assert bins[0]["ratio"] == pytest.approx(1.0 / 1.2) and bins[1]["ratio"] == pytest.approx(1.4 / 0.5)
+
+
 def test_entropy_summary_by_hand():
     entropies = np.array([0.0, 0.5, 1.0, 1.5, 2.0])
     s = gd.entropy_summary(entropies, [2, 3], {"paper": 1.2, "p60": 1.0})

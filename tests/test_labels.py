@@ -106,6 +106,25 @@ def test_the_passk_comparison_gives_every_row_a_panel_where_its_line_is_in_front
     matplotlib.pyplot.close(fig)
 
 
+def test_every_methods_reward_line_shows_when_their_curves_coincide(tmp_path):
+    """Issue 47: four methods that train alike drew one line over the other and GRPO's vanished. The
+    rendered figure holds pixels of each row's own colour (not its band's, which is paler)."""
+    import numpy as np
+
+    rows = ["GRPO", "GRPO w/o KL", "GRPO + Random", "GRPO + Branch"]
+    reward = pd.DataFrame(
+        [(r, s, step, 0.1 * step + 0.01 * s) for r in rows for s in (1, 2) for step in range(8)],
+        columns=["row", "seed", "step", "value"],
+    )  # the same curve and band for every row
+    periodic = pd.DataFrame(columns=["row", "seed", "dataset", "step", "value"])
+    image = matplotlib.image.imread(figures.reward_vs_accuracy(reward, periodic, set(), tmp_path))[..., :3]
+    colours = matplotlib.pyplot.rcParams["axes.prop_cycle"].by_key()["color"][: len(rows)]
+    for row, colour in zip(rows, colours, strict=True):
+        rgb = np.array(matplotlib.colors.to_rgb(colour))
+        shown = (np.abs(image - rgb).max(axis=-1) < 0.04).sum()
+        assert shown > 200, f"{row}'s line ({colour}) shows in {shown} pixels"
+
+
 def test_no_empty_heldout_panel_without_periodic_evaluations(tmp_path):
     reward = pd.DataFrame(
         [("GRPO", s, step, 0.1 * step) for s in (1, 2) for step in range(4)],

@@ -450,6 +450,16 @@ def test_a_vllm_share_below_its_weights_does_not_fit(capsys):
     assert "gives 8.0 GiB, which cannot hold its 14.2 GiB of weights: DOES NOT FIT" in out
 
 
+def test_the_adapter_engine_is_sized_in_its_own_dtype(capsys):
+    """rollout=vllm serves in model.engine_dtype: its weights in the plan are 2 bytes a parameter under auto
+    (bfloat16, as on the cluster's GPUs, whatever the planning machine computes) and 4 under float32."""
+    _, auto, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "trl.vllm_gpu_memory_utilization=0.1")
+    small = "trl.vllm_gpu_memory_utilization=0.1"
+    _, fp32, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, small, "model.engine_dtype=float32")
+    assert "cannot hold its 14.2 GiB of weights" in auto
+    assert "cannot hold its 28.4 GiB of weights" in fp32
+
+
 def test_unknown_model_without_config_is_one_line(capsys):
     code, _, err = plan(
         capsys, "model=qwen2.5-math-7b", "model.source.repo_id=some/unknown-model", "trl=paper"

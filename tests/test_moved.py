@@ -3,6 +3,7 @@ correctness arrays, the per-problem CSV, and the section sage-report writes from
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -162,7 +163,7 @@ def test_the_per_problem_frame_and_the_testbed_labels():
 DS = "arith_heldout"
 
 
-def constructed_store(root: Path) -> str:
+def constructed_store(root: Path, ds: str = DS, ids: list[str] | None = None) -> str:
     """Two methods x two seeds of finished sage-train runs, as sage logs them without the training: tags,
     the params that name the evaluated problems, pass@1 / pass@4 metrics and the correctness matrices
     (one evaluation seed, 6 testbed problems x 4 samples) of the start model and the trained one."""
@@ -174,11 +175,13 @@ def constructed_store(root: Path) -> str:
     client = MlflowClient(uri)
     exp = client.create_experiment("moved")
     params = {
-        f"eval.datasets.{DS}._target_": "sage.testbed.task.heldout_rows",
-        f"eval.datasets.{DS}.n": "6",
+        f"eval.datasets.{ds}._target_": "sage.testbed.task.heldout_rows",
+        f"eval.datasets.{ds}.n": "6",
         "eval.limit": "None",
         "model.source.world": "graded",
     }
+    if ds != DS:  # a benchmark: its rows come from a file sage-report does not open
+        params = {f"eval.datasets.{ds}._target_": "sage.data.benchmarks.benchmark_rows", "eval.limit": "6"}
     for method, by_seed in (("grpo", GRPO), ("grpo_branch", BRANCH)):
         for seed, counts in by_seed.items():
             tags = {"sage.kind": "train", "seed": str(seed), "method": method, "base_model": "tiny"}
@@ -188,11 +191,15 @@ def constructed_store(root: Path) -> str:
             for label, c in (("base", BASE), ("trained", counts)):
                 correct = matrix(c)
                 for k, v in pass_at_k_curve(correct, [1, 4]).items():
-                    client.log_metric(run_id, metric_name(label, DS, f"pass@{k}"), v)
-                npz = root / run_id / f"{label}_{DS}_correct.npz"
+                    client.log_metric(run_id, metric_name(label, ds, f"pass@{k}"), v)
+                npz = root / run_id / f"{label}_{ds}_correct.npz"
                 npz.parent.mkdir(parents=True, exist_ok=True)
                 np.savez_compressed(npz, correct)
                 client.log_artifact(run_id, str(npz), artifact_path=f"eval/{label}")
+                if ids is not None:  # as Tracker.log_eval logs them beside the matrices
+                    listed = root / run_id / f"{label}_{ds}_problems.json"
+                    listed.write_text(json.dumps(ids))
+                    client.log_artifact(run_id, str(listed), artifact_path=f"eval/{label}")
             client.set_terminated(run_id)
     return uri
 
@@ -240,3 +247,18 @@ def test_sage_report_writes_which_problems_moved_from_a_constructed_store(tmp_pa
 
     assert report.main([*argv, "--lost-threshold", "0"]) == 2
     assert "--lost-threshold must be in (0, 1], not 0.0" in capsys.readouterr().err
+
+
+def test_a_benchmarks_per_problem_csv_names_its_problems_by_the_ids_the_evaluations_logged(tmp_path, capsys):
+    """Issue 49: a benchmark's rows (files sage-report does not open) had neither ids nor tiers in
+    problems_<dataset>.csv; its evaluations now log the ids of their matrices' problems."""
+    ids = [f"test/algebra/{i}.json" for i in (17, 3, 250, 9, 41, 77)]
+    uri = constructed_store(tmp_path, "math500", ids)
+    out = tmp_path / "report" / "r.md"
+    argv = ["--tracking-uri", uri, "--experiment", "moved", "--out", str(out), "--perplexity-max", "0"]
+    assert report.main(argv) == 0, capsys.readouterr().err
+    problems = pd.read_csv(out.parent / "tables" / "problems_math500.csv", keep_default_na=False)
+    assert problems["id"].tolist() == ids and set(problems["tier"]) == {""}
+    lost, gained = ids[1], ids[3]  # as on the testbed's problems above: the same matrices
+    assert f"lost 1 (`{lost}`), gained 1 (`{gained}`)" in out.read_text()
+    assert "problems_math500.csv: no ids nor tiers" not in out.read_text()

@@ -399,6 +399,46 @@ def test_figures_perplexity_and_report_file(store, built):
 
 
 @pytest.mark.slow
+def test_where_the_anchor_acted_by_entropy_bucket_from_the_training_logs(store, built):
+    """Issue 49: the report shows each row's anchor metrics by token-entropy bucket, from what the runs
+    logged at each step (train/anchor_buckets/...), and one step x bucket figure per row."""
+    from sage.train.figures import BUCKETS
+
+    share = built.tables["anchor_buckets_anchor_grad_share"]
+    # the quintiles always hold tokens; above 1.2 nats only if some step had one
+    assert share.columns[:5] == list(BUCKETS[:5]) and set(share.columns) <= set(BUCKETS)
+    assert [r for r, _ in share.rows] == [GRPO, BRANCH, BRANCH5]
+    # the GRPO row's q1 cell: over its seeds, the mean of what each run logged at each step
+    key = "train/anchor_buckets/q1/anchor_grad_share"
+    logged = [store["client"].get_metric_history(store["ids"][run], key) for run in ("g0", "g1")]
+    per_seed = [np.nanmean([m.value for m in h]) for h in logged]
+    assert share.cell(GRPO, "q1").mean == pytest.approx(np.mean(per_seed))
+    q = built.tables["anchor_buckets_q"]
+    assert q.cell(GRPO, "q5").mean == pytest.approx(1.0)  # no guide: q = 1 everywhere
+    # Branch's q rises with entropy only: its highest quintile's mean q is at least its lowest's
+    assert q.cell(BRANCH, "q5").mean >= q.cell(BRANCH, "q1").mean
+    for row in (GRPO, BRANCH, BRANCH5):
+        figure = built.figures[f"anchor_buckets_{''.join(c if c.isalnum() else '_' for c in row).strip('_')}"]
+        assert figure.stat().st_size > 1000 and f"](figures/{figure.name})" in built.markdown
+
+
+@pytest.mark.slow
+def test_the_perplexity_cap_is_per_row_of_a_run_not_per_run(store):
+    """Issue 47: the cap took a run's first samples whatever their row, so a run that also supplied the base
+    row kept its base samples and one trained sample; every row now keeps up to the cap of each run."""
+    import csv
+
+    out = store["root"] / "report_cap" / "r.md"
+    # each run's evaluation logged eval.limit x eval.n_samples = 24 perplexities per model
+    r, _ = sage_report(store, "--experiment", "report", "--perplexity-max", "24", out=out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = list(csv.DictReader((out.parent / "tables" / "perplexity.csv").open()))
+    samples = {c["row"]: int(c["text"]) for c in cells if c["column"] == "samples"}
+    assert samples[GRPO] == 48 and samples[BRANCH] == 48 and samples[BRANCH5] == 24, samples
+    assert samples["base"] % 24 == 0 and samples["base"] > 0, samples
+
+
+@pytest.mark.slow
 def test_cli_marks_missing_seeds_and_explains_missing_data(store, capsys):
     r, out = sage_report(store, "--experiment", "report", "--seeds", "0,1,2", "--perplexity-max", "0")
     assert r.returncode == 0, r.stderr

@@ -344,6 +344,19 @@ def test_moving_a_final_model_waits_for_its_evaluation(tmp_path):
             pass
 
 
+def test_a_moved_final_models_results_name_the_folder_it_moved_to(tmp_path):
+    """results.json named .../final after the extension had moved the weights it measured away."""
+    from sage.run_folder import keep_earlier_final
+
+    final = tmp_path / "final"
+    (final / "eval").mkdir(parents=True)
+    measured = {"checkpoint": str(final.resolve()), "datasets": {"arith_heldout": {"n_problems": 4}}}
+    (final / "eval" / "results.json").write_text(json.dumps(measured))
+    kept = keep_earlier_final(final, 2)
+    results = json.loads((kept / "eval" / "results.json").read_text())
+    assert results == {**measured, "checkpoint": str((tmp_path / "final-step-2").resolve())}
+
+
 @pytest.mark.slow
 def test_sage_eval_of_final_is_not_left_without_its_files_by_an_extension(no_checkpoints):
     """The extension moved final -> final-step-N while sage-eval sampled: its results had nowhere to go, and
@@ -382,6 +395,10 @@ def test_sage_eval_of_final_is_not_left_without_its_files_by_an_extension(no_che
     assert evaluation.returncode == 0, err[-3000:]
     assert kept == run / "final-step-1"
     assert results["datasets"]["arith_heldout"]["n_problems"] == 4
+    # sage-eval printed its results path while it held the folder, before the move; the results then name
+    # the folder the weights they measured moved to
+    assert f"results: {final.resolve() / 'eval' / 'results.json'}" in out
+    assert results["checkpoint"] == str(kept.resolve())
 
 
 # ------------------------------------------------------------------ 9. signal messages name what exists

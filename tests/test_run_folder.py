@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,6 +40,7 @@ from sage.tracking import RUN_ID_FILE, start_run
 from sage.train.main import set_aside_incomplete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
+SINCE = r" since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+"  # when the holder took the lock
 # A real testbed run, as small as it goes: 2 prompts x 2 completions a step, 4 held-out problems x 2 samples.
 TINY = [
     "trl.per_device_train_batch_size=4",
@@ -127,10 +129,13 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
         with pytest.raises(ConfigError) as e:
             with writer_lock(tmp_path):
                 pass
-    assert str(e.value) == (
-        f"output_dir={tmp_path} is being written by another run (pid {os.getpid()} on host "
-        f"{socket.gethostname()}); wait for it to end, or choose another output_dir"
-    )
+    assert re.fullmatch(
+        re.escape(f"output_dir={tmp_path} is being written by another run (pid {os.getpid()} on host ")
+        + re.escape(socket.gethostname())
+        + SINCE
+        + re.escape("); wait for it to end, or choose another output_dir"),
+        str(e.value),
+    ), str(e.value)
     with writer_lock(tmp_path):  # released at the end of the run
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert not (tmp_path / LOCK_FILE).exists()  # a refused command into the folder leaves nothing there
@@ -149,11 +154,44 @@ def test_a_second_grid_driver_over_a_job_being_written_is_one_line_naming_the_ho
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-50:])
     assert lines[-1].startswith("error: job #0 (seed=1 trl.max_steps=0 eval.limit=2 tracking.uri=")
-    assert lines[-1].endswith(
-        f"): output_dir={folder} is being written by another run (pid {os.getpid()} on host "
-        f"{socket.gethostname()}); wait for it to end, or choose another hydra.sweep.dir"
-    )
+    assert re.search(
+        re.escape(f"): output_dir={folder} is being written by another run (pid {os.getpid()} on host ")
+        + re.escape(socket.gethostname())
+        + SINCE
+        + re.escape("); wait for it to end, or choose another hydra.sweep.dir")
+        + "$",
+        lines[-1],
+    ), lines[-1]
     assert not (sweep / ".submitit").exists()  # nothing submitted
+
+
+def test_a_second_grid_driver_into_a_held_sweep_dir_is_one_line_and_writes_nothing(tmp_path):
+    """Issue 47: two different grids launched into one sweep dir at once merged under the first grid's
+    parent run and name, and multirun.yaml kept only the second grid's sweep."""
+    from sage.grid import JOBS_FILE
+    from sage.run_folder import GRID_LOCK_FILE, _acquire
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    job = ["seed=3", "trl.max_steps=0", "eval.limit=2", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    held = _acquire(sweep, GRID_LOCK_FILE)  # the first grid's driver, still running
+    try:
+        r = entry_point("sage.train", "-m", "hydra/launcher=local", *job, f"hydra.sweep.dir={sweep}")
+    finally:
+        held.close()
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-50:])
+    assert re.fullmatch(
+        re.escape(
+            f"error: hydra.sweep.dir={sweep} is being driven by another grid (pid {os.getpid()} on host "
+        )
+        + re.escape(socket.gethostname())
+        + SINCE
+        + re.escape("); wait for it to end, or choose another hydra.sweep.dir"),
+        lines[-1],
+    ), lines[-1]
+    assert sorted(p.name for p in sweep.iterdir()) == [GRID_LOCK_FILE]  # nothing submitted or recorded
+    assert not (sweep / JOBS_FILE).exists() and not (tmp_path / "mlflow.db").exists()
 
 
 # ------------------------------------------------------------------ MLflow (fast)
@@ -322,10 +360,13 @@ def test_two_writers_in_one_folder(tmp_path):
         except subprocess.TimeoutExpired:
             first.kill()
             first.wait()
-    assert one_line_error(r) == (
-        f"error: output_dir={out} is being written by another run (pid {first.pid} on host "
-        f"{socket.gethostname()}); wait for it to end, or choose another output_dir"
-    )
+    assert re.fullmatch(
+        re.escape(f"error: output_dir={out} is being written by another run (pid {first.pid} on host ")
+        + re.escape(socket.gethostname())
+        + SINCE
+        + re.escape("); wait for it to end, or choose another output_dir"),
+        one_line_error(r),
+    ), one_line_error(r)
     assert OmegaConf.load(out / "config.yaml").seed == 1
 
 
@@ -353,7 +394,9 @@ def test_extending_a_run_keeps_its_sage_eval_results_beside_their_weights(extend
     run, evaluated = extended_copy["run"], extended_copy["evaluated"]
     kept = run / "final-step-2"
     assert json.loads((run / "final" / "sage_final.json").read_text())["global_step"] == 3
-    assert (kept / "eval" / "results.json").read_text() == evaluated["results"]
+    results = json.loads((kept / "eval" / "results.json").read_text())
+    # the same numbers, naming the folder that now holds the weights they measured
+    assert results == {**json.loads(evaluated["results"]), "checkpoint": str(kept.resolve())}
     assert (kept / "model.safetensors").read_bytes() == evaluated["weights"]
     # the evaluation run names the folder that now holds the weights it measured
     tags = mlflow_client(extended_copy["uri"]).get_run(evaluated["run_id"]).data.tags

@@ -314,7 +314,7 @@ def test_the_world_is_part_of_the_build_key_and_arith_keeps_the_old_key(tmp_path
 
 def test_measure_reports_pass_at_k_per_tier_and_the_targets(tmp_path: Path) -> None:
     """The command prints each figure and, at k = 256, whether each base-model target is met."""
-    from sage.testbed.measure import targets
+    from sage.eval.testbed_measure import targets
 
     ok = {"pass@1": 0.3, "pass@64": 0.7, "pass@256": 0.8}
     assert all(targets(ok).values())
@@ -327,7 +327,7 @@ def test_measure_reports_pass_at_k_per_tier_and_the_targets(tmp_path: Path) -> N
 
     path = build_tiny_model(**TINY, cache_dir=str(tmp_path))
     args = ["--model-path", path, "--n-problems", "20", "--k", "256", "--entropy-k", "2"]
-    r = prefork.run([sys.executable, "-m", "sage.testbed.measure", *args], timeout=600)
+    r = prefork.run([sys.executable, "-m", "sage.eval.testbed_measure", *args], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in r.stdout.splitlines())
     for name in ("pass@1", "pass@256", "easy_pass@1", "tail_pass@256", "strategy_direct"):

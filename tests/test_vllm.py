@@ -91,6 +91,29 @@ def test_lora_adapter_through_vllm_decodes_greedily_as_the_merged_adapter(adapte
     assert engine.sample(ids, greedy).completions == expected
 
 
+def test_a_compiled_engine_serves_the_adapter_as_the_merged_adapter_decodes(adapter):
+    """eval.vllm_compile=true (what a real model's evaluation gets by default): vLLM compiles the model,
+    with the CPU LoRA ops inside the compiled graph, and decodes greedily what the merged adapter decodes
+    (as the eager engine does above)."""
+    from transformers import AutoTokenizer
+
+    from sage.eval.sampling import compiles
+
+    checkpoint = Checkpoint.resolve(adapter)
+    assert not compiles(checkpoint, None)  # the testbed model runs eager unless asked
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.tokenizer)
+    ids = prompt_ids(tokenizer, PROBLEMS)
+    greedy = SamplingSettings(n_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=64, chat=False, seed=0)
+    expected = HFSampler.load(checkpoint, tokenizer, "float32", batch_size=64).sample(ids, greedy).completions
+    # beside the module's eager engine: a small share of its own
+    cfg = SimpleNamespace(**{**vars(EVAL_CFG), "vllm_cpu_memory_utilization": 0.1, "vllm_compile": True})
+    compiled = VllmSampler(checkpoint, "float32", cfg)
+    try:
+        assert compiled.sample(ids, greedy).completions == expected
+    finally:
+        compiled.close()
+
+
 def test_every_problem_and_sample_draws_its_own_samples(adapter, engine):
     from transformers import AutoTokenizer
 

@@ -3,7 +3,6 @@ a fingerprint that changes whenever its weights do."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import struct
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage.config import ConfigError
+from sage.paths import file_digest
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = (
@@ -69,22 +69,6 @@ class Checkpoint:
 
 NOT_MODEL_FILES = frozenset({"training_args.bin", "trainer_state.json", "README.md", "sage_final.json"})
 """Written beside the weights but not read by a sampler: the run's arguments, state and model card."""
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes, memoised per (path, size, mtime) so that one process hashes a large
-    checkpoint once however often it is evaluated."""
-    st = path.stat()
-    return _digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4096)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_checkpoint_folder(path: str) -> None:

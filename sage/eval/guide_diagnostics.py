@@ -66,6 +66,8 @@ PAPER_THRESHOLD = 1.2
 QUANTILES = (10, 25, 50, 75, 90, 95, 99)
 HISTOGRAM_EDGES = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, math.inf)
 """Entropy bins in nats: fine near 0, where most tokens of a fluent model sit, and 1.2 an edge."""
+PAIR_EDGES = (0.0, 0.1, 0.5, 1.0, 1.2, 2.0)
+"""The bins in which Branch's and Archer's q are set side by side (nats; the last bin open)."""
 
 CATEGORIES = ("approach_word", "step_opening", "number", "operator", "whitespace", "other")
 """What a solution token is, one category each, the first that applies in this order:
@@ -192,10 +194,15 @@ def category_shares(categories: np.ndarray, selected: np.ndarray) -> dict[str, f
 
 
 def where_high(
-    categories: np.ndarray, entropies: np.ndarray, thresholds: dict[str, float]
+    categories: np.ndarray,
+    entropies: np.ndarray,
+    thresholds: dict[str, float],
+    solution: np.ndarray | None = None,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Per threshold, each category's share among the tokens above it, its base rate among all tokens and
-    their ratio (lift: above 1, high-entropy tokens fall there more often than tokens do), and the mean
+    their ratio (lift: above 1, high-entropy tokens fall there more often than tokens do), with an interval
+    clustered by solution (``solution``: each token's solution; :func:`lift_intervals`), and the mean
     entropy of each category."""
     everything = np.ones(len(categories), dtype=bool)
     base = category_shares(categories, everything)
@@ -214,12 +221,71 @@ def where_high(
             "tokens": int(selected.sum()),
             "share": shares,
             "lift": {c: (shares[c] / base[c] if base[c] > 0 else math.nan) for c in CATEGORIES},
+            "lift_interval": (
+                lift_intervals(categories, selected, solution, seed=seed) if solution is not None else {}
+            ),
             # P(H > t | category): how often a token of the category is above the threshold
             "above_rate": {
                 c: (float(selected[categories == c].mean()) if (categories == c).any() else math.nan)
                 for c in CATEGORIES
             },
         }
+    return out
+
+
+LEVEL = 0.95  # of the lifts' intervals
+DRAWS = 2000  # bootstrap resamples of the solutions
+
+
+def lift_intervals(
+    categories: np.ndarray,
+    selected: np.ndarray,
+    solution: np.ndarray,
+    draws: int = DRAWS,
+    seed: int = 0,
+    level: float = LEVEL,
+) -> dict[str, tuple[float, float]]:
+    """Per category, a percentile bootstrap interval of its lift among the ``selected`` tokens (share among
+    them over share among all tokens), clustered by solution (``solution``: each token's solution index):
+    the solutions are resampled, not the tokens, since a solution's tokens share its problem, approach and
+    style and are not independent draws. A category absent from every resample gets (NaN, NaN)."""
+    _, sol = np.unique(solution, return_inverse=True)
+    n_sol = int(sol.max()) + 1
+    rng = np.random.default_rng(seed)
+    weights = rng.multinomial(n_sol, np.full(n_sol, 1 / n_sol), size=draws).astype(float)  # (draws, n_sol)
+    tokens = weights @ np.bincount(sol, minlength=n_sol)
+    chosen = weights @ np.bincount(sol, weights=selected.astype(float), minlength=n_sol)
+    tail = (1 - level) / 2
+    out = {}
+    for c in CATEGORIES:
+        is_c = categories == c
+        all_c = weights @ np.bincount(sol, weights=is_c.astype(float), minlength=n_sol)
+        chosen_c = weights @ np.bincount(sol, weights=(is_c & selected).astype(float), minlength=n_sol)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lift = (chosen_c / chosen) / (all_c / tokens)
+        lift = lift[np.isfinite(lift)]
+        out[c] = (
+            (float(np.quantile(lift, tail)), float(np.quantile(lift, 1 - tail)))
+            if len(lift)
+            else (math.nan, math.nan)
+        )
+    return out
+
+
+def pair_by_entropy(
+    q_a: np.ndarray, q_b: np.ndarray, entropies: np.ndarray, edges: Sequence[float]
+) -> list[dict[str, float]]:
+    """Two guides' q on the same tokens, by entropy bin (``edges`` in nats, last bin open): each bin's
+    share of the tokens, both guides' mean q and the ratio of those means. Under k3 a guide scales the
+    anchor's pull at a token by q, so the ratio is how much harder the first guide pulls there."""
+    out = []
+    bounds = [*edges, math.inf]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        where = (entropies >= lo) & (entropies < hi)
+        if not where.any():
+            continue
+        a, b = float(q_a[where].mean()), float(q_b[where].mean())
+        out.append({"low": lo, "high": hi, "share": float(where.mean()), "a": a, "b": b, "ratio": a / b})
     return out
 
 
@@ -502,7 +568,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Where the high-entropy tokens fall",
         "",
         "Share of each category among all tokens (base rate) and among the tokens above each threshold, "
-        "with the lift (share / base rate); mean entropy and P(H > threshold) per category.",
+        f"with the lift (share / base rate) and its {LEVEL:.0%} interval (bootstrap over solutions, "
+        f"{DRAWS} resamples: a solution's tokens are not independent); mean entropy and P(H > threshold) per "
+        "category.",
         "",
         "| category | base rate | mean H | "
         + " | ".join(f"share > {n} | lift > {n} | P(H > {n})" for n in names)
@@ -512,7 +580,11 @@ def markdown(report: dict[str, Any]) -> str:
     for c in CATEGORIES:
         cells = [_fmt(w["base_rate"][c]), _fmt(w["mean_entropy"][c])]
         for n in names:
-            cells += [_fmt(w[n]["share"][c]), _fmt(w[n]["lift"][c]), _fmt(w[n]["above_rate"][c])]
+            lift = _fmt(w[n]["lift"][c])
+            if c in w[n].get("lift_interval", {}):
+                lo, hi = w[n]["lift_interval"][c]
+                lift += f" [{_fmt(lo)}, {_fmt(hi)}]"
+            cells += [_fmt(w[n]["share"][c]), lift, _fmt(w[n]["above_rate"][c])]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     approach = ("approach_word", "step_opening")
     cells = [_fmt(sum(w["base_rate"][c] for c in approach)), ""]
@@ -558,6 +630,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("|---|" + "---|" * len(CATEGORIES))
     for name, g in report["guides"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(g["mean_by_category"][c]) for c in CATEGORIES) + " |")
+    if "branch_vs_archer" in report:
+        lines += [
+            "",
+            "## Branch against Archer on the same tokens",
+            "",
+            "Mean q of each by entropy bin (nats). Under k3 a guide scales the anchor's pull toward pi_ref "
+            "at a token by q: Branch pulls harder at high-entropy tokens, Archer less (and more at "
+            "low-entropy ones); the ratio is Branch's pull over Archer's.",
+            "",
+            "| entropy bin | share of tokens | branch q | archer q | branch / archer |",
+            "|---|---|---|---|---|",
+        ]
+        for b in report["branch_vs_archer"]:
+            cells = [b["share"], b["a"], b["b"], b["ratio"]]
+            lines.append(f"| [{b['low']:g}, {b['high']:g}) | " + " | ".join(_fmt(v) for v in cells) + " |")
     lines += ["", "Categories: " + CATEGORY_NOTE, ""]
     return "\n".join(lines)
 
@@ -689,6 +776,7 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
 
     entropies = np.concatenate([x["entropy"] for x in records])
     categories = np.concatenate([np.array(x["categories"], dtype=object) for x in records])
+    solution = np.concatenate([np.full(len(x["entropy"]), i) for i, x in enumerate(records)])
     p_name = f"p{cfg.percentile:g}"
     p_threshold = float(np.percentile(entropies, cfg.percentile))
     thresholds = {"paper": PAPER_THRESHOLD, p_name: p_threshold}
@@ -718,9 +806,13 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
             "entropy": "full-vocabulary next-token distribution at temperature 1, teacher-forced pass",
         },
         "entropy": entropy_summary(entropies, [len(x["ids"]) for x in records], thresholds),
-        "where": where_high(categories, entropies, thresholds),
+        "where": where_high(categories, entropies, thresholds, solution, seed=int(cfg.seed)),
         "guides": {},
     }
+    if {"branch", "archer"} <= set(q_by_guide):  # opposite hypotheses about the same tokens (docs/method.md)
+        report["branch_vs_archer"] = pair_by_entropy(
+            q_by_guide["branch"], q_by_guide["archer"], entropies, PAIR_EDGES
+        )
     texts = np.concatenate([np.array(x["texts"], dtype=object) for x in records])
     report["top_tokens"] = {name: top_texts(texts, entropies > t) for name, t in thresholds.items()}
     for name, guide in guides.items():

@@ -142,11 +142,13 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                     cap=cfg.eval.perplexity_cap,
                     dtype=str(cfg.model.dtype.value),
                 )
-    summaries = {ds: r["summary"] for ds, r in res.items()}
-    print("\n" + format_table({label: summaries}, list(cfg.eval.ks), len(cfg.eval.seeds)))
-    print(f"\nresults: {results_dir / 'results.json'}")
-    if tracker is not None:
-        print(f"MLflow run: {tracker.run_id}")
+        # printed while the folder is held: an extension waiting to move it to final-step-N/ moves it after
+        # this line, says where, and points results.json and the MLflow run's checkpoint tag there
+        summaries = {ds: r["summary"] for ds, r in res.items()}
+        print("\n" + format_table({label: summaries}, list(cfg.eval.ks), len(cfg.eval.seeds)))
+        print(f"\nresults: {results_dir / 'results.json'}")
+        if tracker is not None:
+            print(f"MLflow run: {tracker.run_id}")
     return summaries
 
 

@@ -452,6 +452,20 @@ def plan(cfg, gpu_gib: float, prompt_tokens: int, processes: int = 1) -> tuple[B
     return batch, parts, origin
 
 
+def engine_room_dtype(cfg) -> str:
+    """The dtype a colocated engine holds its weights and KV cache in on the cluster. sage's adapter engine
+    (``rollout=vllm``) serves in ``model.engine_dtype``, whose ``auto`` is bfloat16 on the bfloat16 GPUs a
+    plan is for (resolving it on the planning machine would size the cluster's engine by this one's CPU);
+    TRL's engine (``rollout=vllm_merged``) serves in the checkpoint's dtype, ``model.dtype``."""
+    from omegaconf import OmegaConf
+
+    model_dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
+    if OmegaConf.select(cfg, "rollout_func._target_") != "sage.train.vllm_rollout.VllmRollout":
+        return model_dtype
+    engine = str(getattr(cfg.model.engine_dtype, "value", cfg.model.engine_dtype))
+    return "bfloat16" if engine == "auto" else engine
+
+
 # ---- completions -------------------------------------------------------------------------------------
 
 
@@ -756,11 +770,12 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
         fits, total = parts["total"] <= parts["gpu"], parts["total"]
         fraction = colocated_fraction(cfg)
         if fraction:
-            room = vllm_room(arch, batch, parts["vllm"], str(cfg.model.dtype))
+            served = engine_room_dtype(cfg)
+            room = vllm_room(arch, batch, parts["vllm"], served)
             lines.append(describe_vllm(room, fraction))
             fits = fits and room["kv"] > 0
             best = largest_vllm_fraction(parts)
-            smaller = vllm_room(arch, batch, best * gpu_gib, str(cfg.model.dtype))
+            smaller = vllm_room(arch, batch, best * gpu_gib, served)
             if not fits and smaller["kv"] > 0:
                 lines.append(
                     f"fix: trl.vllm_gpu_memory_utilization={best:.2f} is the largest share that fits beside "

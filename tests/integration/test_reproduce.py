@@ -189,7 +189,7 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
     for expected in ("hparams_search=fork", "seed=1,2,3,4,5,6,7,8", "tracking.experiment=testbed-fork"):
         assert expected in grid, f"{expected} missing from: {grid}"
     assert "~eval.datasets" not in grid  # both datasets of eval=arith_fork: the held-out set and its tail
-    assert "sage.testbed.measure --model tiny_fork" in study and "--primary" not in study
+    assert "sage.eval.testbed_measure --model tiny_fork" in study and "--primary" not in study
     assert (
         "experiment: base,grpo,grpo_nokl,grpo_random,grpo_branch,grpo_fork,grpo_strong_kl,grpo_fork_rare"
         in (REPO / "conf" / "hparams_search" / "fork.yaml").read_text()

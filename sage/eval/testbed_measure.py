@@ -1,5 +1,7 @@
-"""Measure the testbed base model: ``python -m sage.testbed.measure [--model tiny]`` prints ``name: value``
-lines and whether the base model meets the targets of a testbed where exploration matters.
+"""Measure the testbed base model: ``python -m sage.eval.testbed_measure [--model tiny]`` prints
+``name: value`` lines and whether the base model meets the targets of a testbed where exploration matters.
+It samples with the evaluator's sampler, so it lives beside the evaluator, not in the world it measures
+(sage.testbed).
 
 The figures say whether the base model sits in the regime the experiments need: pass@1 well below 1
 (room for RL to improve), pass@k still rising at k = 256 (correct answers reachable only by sampling
@@ -265,7 +267,7 @@ def markdown(figures: dict[str, float], met: dict[str, bool], model: str, n_prob
     """The base model's figures as a report section (printed by ``--markdown``)."""
     active = figures[f"frac_tokens_entropy_gt_{BRANCH_ENTROPY_NATS}"]
     lines = [
-        f"## The testbed base model (python -m sage.testbed.measure, {model})",
+        f"## The testbed base model (python -m sage.eval.testbed_measure, {model})",
         "",
         f"{n_problems} held-out problems x {k} samples at temperature 1.0 (token entropy from 16 samples "
         "each). The branch guide's default threshold for the testbed (model.branch_threshold) is the 90th "
