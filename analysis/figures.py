@@ -169,6 +169,7 @@ def anchor_buckets(history: pd.DataFrame, out_dir: Path) -> list[Path]:
     over the row's seeds), drawn as each run's own ``anchor_buckets.png`` is (sage.train.figures)."""
     from sage.train.figures import anchor_buckets_figure
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for row in sorted(history["row"].unique(), key=row_key):
         mean = history[history["row"] == row].groupby(["step", "bucket", "stat"])["value"].mean()

@@ -37,7 +37,7 @@ from analysis import bootstrap, figures, load, moved, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
-from sage.parent_runs import PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
+from sage.parent_runs import DRIVER_TAG, PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
 from sage.tracking import PARENT_TAG, probe_limits, redact, resolve_uri, store_failure
 from sage.train.figures import BUCKETS
 from sage.train.untrained import UNTRAINED_TAG
@@ -211,9 +211,9 @@ def find_grid(client, experiment: str, grid: str) -> tuple[object, int | None]:
 
 def latest_grid(client, ids: Sequence[str], parents: Sequence, experiment: str) -> tuple[object, int]:
     """(parent run, when in ms) of the grid whose driver ran last: ``sage-train -m`` into a sweep dir (an
-    Optuna study is not a grid here), at the latest time its parent run or one of its runs started or
-    ended. An extended grid continues the parent run its first launch made, so the parent's start alone
-    would name a grid or study started in between."""
+    Optuna study is not a grid here), at the latest time its driver opened its parent run (``DRIVER_TAG``),
+    or its parent run or one of its runs started or ended. An extended grid continues the parent run its
+    first launch made, so the parent's start alone would name a grid or study started in between."""
     grids = {p.info.run_id: p for p in parents if SWEEP_TAG in p.data.tags}
     if not grids:
         studies = ", ".join(repr(p.info.run_name) for p in parents[:8])
@@ -221,7 +221,10 @@ def latest_grid(client, ids: Sequence[str], parents: Sequence, experiment: str) 
             f"--grid latest: experiment(s) {experiment!r} hold no grid launched into a sweep dir (sage-train "
             f"-m), only Optuna studies: {studies}; name one with --grid <its name>"
         )
-    last = {r: max(p.info.start_time or 0, p.info.end_time or 0) for r, p in grids.items()}
+    last = {
+        r: max(p.info.start_time or 0, p.info.end_time or 0, int(p.data.tags.get(DRIVER_TAG, 0)))
+        for r, p in grids.items()
+    }
     for order in ("start_time", "end_time"):  # the newest start and end of any grid's run
         token = None
         while True:

@@ -23,12 +23,13 @@ import io
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from sage.parent_runs import PARENT_KIND, PARENT_NOTE, STUDY_TAG, SWEEP_TAG, log_report_files
+from sage.parent_runs import DRIVER_TAG, PARENT_KIND, PARENT_NOTE, STUDY_TAG, SWEEP_TAG, log_report_files
 from sage.paths import write_atomically
 from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
@@ -121,13 +122,17 @@ def open_parent(tracking: DictConfig, key: tuple[str, str], name: str) -> str | 
     client, exp_id = open_store(uri, tracking.experiment)
     tag, value = key
     earlier = client.search_runs([exp_id], f"tags.`{tag}` = '{value}'", max_results=1)
+    # when this driver started: sage-report --grid latest picks the grid whose driver ran last, also an
+    # extension that has not started a run yet
+    started = str(int(time.time() * 1000))
     if earlier:
         run_id = earlier[0].info.run_id
         # an extended grid compares more than its first launch did: the name says what it compares now
         client.update_run(run_id, status="RUNNING", name=name)
+        client.set_tag(run_id, DRIVER_TAG, started)
         log.info("MLflow parent run %s of %s (continued) in %s", run_id, value, redact(uri))
         return run_id
-    tags = {tag: value, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE}
+    tags = {tag: value, "sage.kind": PARENT_KIND, NOTE_TAG: PARENT_NOTE, DRIVER_TAG: started}
     run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id
     log.info("MLflow parent run %s of %s (new) in %s", run_id, value, redact(uri))
     return run_id

@@ -10,6 +10,7 @@ from sage.tracking import NOTE_TAG
 
 SWEEP_TAG = "sage.sweep_dir"  # the parent of a grid: the sweep dir it was launched into
 STUDY_TAG = "sage.optuna_study"  # the parent of an Optuna study: sage.grid.study_key's value
+DRIVER_TAG = "sage.driver_started"  # when a grid's driver last opened its parent run (ms since the epoch)
 REPORT_TAG = "sage.report_of"  # the parent made by sage-report --log-to-mlflow: what it reports on
 PARENT_KIND = "grid"  # its sage.kind: sage-report lists it and leaves it out of every table
 PARENT_NOTE = (

@@ -356,6 +356,11 @@ class Tracker:
                 f.write_text(json.dumps(perplexities))
                 self.client.log_artifact(self.run_id, str(f), artifact_path=f"eval/{label}")
 
+    def stale(self, label: str, dataset: str) -> list[str]:
+        """The metrics of (label, dataset) the run holds from an earlier evaluation of other samples that
+        this one has not logged yet (its eval tag's "stale" list; [] before this run's ``log_eval``)."""
+        return list(self._eval_records.get((label, dataset), {}).get("stale", ()))
+
     def _set_eval_tag(self, label: str, dataset: str, record: dict) -> None:
         """The eval_tag record, its stale list cut to MLflow's tag length (8,000) with "..." last."""
         text, stale = json.dumps(record), list(record["stale"])

@@ -270,3 +270,33 @@ def test_the_base_model_is_loaded_in_model_dtype_and_a_rerun_scores_only_what_is
     assert analyses.logged_perplexities(run, "base") == {"a", "b"}
     metrics = run.client.get_run(run.run_id).data.metrics
     assert {"perplexity_median/base/a", "perplexity_median/base/b"} <= set(metrics)
+
+
+def test_a_run_re_evaluated_on_other_samples_scores_their_perplexities_again(tmp_path, monkeypatch):
+    """Issue 47: a run re-evaluated at the same step with another eval.n_samples kept the earlier samples'
+    perplexities (held, so not scored again) under the new evaluation. Held but stale, they are scored
+    again, and the new median is no longer listed stale."""
+    base = saved_base(tmp_path)
+    rows = {"a": heldout_rows(3, seed=1)}
+    scored = []
+    real_perplexities = analyses.perplexities
+
+    def perplexities(base_model, ds_rows, result, **kw):
+        scored.append(len(result["completions"][0][0]))  # samples per problem of what is scored
+        return real_perplexities(base_model, ds_rows, result, **kw)
+
+    monkeypatch.setattr(analyses, "perplexities", perplexities)
+    run = Recorder(tmp_path).tracker
+    for n in (2, 4, 4):  # evaluated, re-evaluated on other samples, then the same samples again
+        correct = np.ones((3, n), bool)
+        result = {
+            "summary": {"pass@1": 1.0},
+            "completions": [[["12*3=36"] * n for _ in range(3)]],
+            "correct": [correct],
+        }
+        run.log_eval("base", "a", result, [1], None, step=0, rows=rows["a"])
+        analyses.log_analyses(
+            run, "base", rows, {"a": result}, chat=False, base=base, cap=100, dtype="float32"
+        )
+    assert scored == [2, 4]  # the re-evaluation's samples scored; the same samples again are not
+    assert "perplexity_median/base/a" not in run.stale("base", "a")  # scored for this evaluation

@@ -7,6 +7,7 @@ Tracker, read back through sage-report's command line (``analysis.report.main``)
 import csv
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,6 +277,21 @@ def test_grid_latest_is_the_grid_whose_driver_ran_last_and_says_which(tmp_path, 
     )
     assert report.main([*argv, "--grid", "study-s", "--perplexity-max", "0"]) == 0
     assert ", Optuna study s in sqlite:///o.db (parent run" in capsys.readouterr().out
+
+
+def test_grid_latest_is_an_extension_whose_driver_started_before_any_of_its_jobs(tmp_path, capsys):
+    """Issue 47: while an extension's driver runs and none of its jobs has started, the grid it extends is
+    the one whose driver ran last: opening the parent run marks when."""
+    from sage.grid import grid_key, open_parent
+
+    uri, ids = grid_store(tmp_path, extended_parent_end=True)
+    tracking = OmegaConf.create({"enabled": True, "uri": uri, "experiment": "g"})
+    assert open_parent(tracking, grid_key(Path("/sweeps/b")), name="grid-b") == ids["b"]  # b extended
+    out = tmp_path / "r" / "r.md"
+    argv = ["--tracking-uri", uri, "--experiment", "g", "--out", str(out), "--bootstrap", "0"]
+    assert report.main([*argv, "--grid", "latest", "--perplexity-max", "0"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("grid:")]
+    assert line.endswith(f"'grid-b' in sweep dir /sweeps/b (parent run {ids['b']}): its runs only"), line
 
 
 def test_grid_latest_over_studies_only_is_one_line(tmp_path, capsys):

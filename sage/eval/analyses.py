@@ -271,6 +271,19 @@ def logged_perplexities(tracker, label: str) -> set[str]:
     return {n.removeprefix(f"{label}_").removesuffix(suffix) for n in names if n.endswith(suffix)}
 
 
+def stale_perplexities(tracker, label: str, datasets: list[str]) -> set[str]:
+    """Datasets whose logged perplexity median this evaluation's record names stale (``Tracker.log_eval``:
+    metrics of an earlier evaluation of other samples that this one has not logged yet)."""
+    from sage.metrics import metric_name
+    from sage.tracking import metric_key
+
+    return {
+        ds
+        for ds in datasets
+        if metric_key(metric_name(label, ds, "perplexity_median")) in tracker.stale(label, ds)
+    }
+
+
 def log_analyses(
     tracker,
     label: str,
@@ -292,7 +305,9 @@ def log_analyses(
         why = "eval.perplexity_cap=0" if cap == 0 else "no base model is known for this checkpoint"
         log.info("perplexity under the base model not computed for %s: %s", label, why)
     else:
-        done = logged_perplexities(tracker, label)
+        # held, and of these samples: an evaluation of other samples (a run re-evaluated at the same step
+        # with another eval.n_samples) leaves its perplexities stale, and they are scored again
+        done = logged_perplexities(tracker, label) - stale_perplexities(tracker, label, list(results))
         todo = [ds for ds in results if ds not in done]
         if len(todo) < len(results):
             kept = sorted(set(results) - set(todo))

@@ -15,7 +15,10 @@ holds the gradient); for the anchor, ``beta * d divergence / d log pi``. Both mu
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where the maths runs: sage-report reads the names without it
+    import torch
 
 QUINTILES = ("q1", "q2", "q3", "q4", "q5")
 FIXED = 1.2  # nats: the Branch guide's default threshold (conf/guide/branch.yaml)
@@ -28,6 +31,8 @@ def bucket_masks(
     """Boolean (B, T) masks of each bucket over the valid tokens (``mask``): the quintiles of the valid
     tokens' entropies (a token at an edge goes to the lower bucket; the edges are ``torch.quantile``'s,
     linear interpolation) and ``above_<fixed>``."""
+    import torch
+
     valid = mask.bool()
     values = entropies[valid].float()
     out = {}
@@ -58,6 +63,8 @@ def bucket_stats(
     tensors: the guide's ``q``, the anchor's per-token value (None: no anchor), the per-token gradient
     signals (``anchor_grad`` None: no anchor), the clip's silenced tokens (bool) and the advantages ((B,) or
     (B, T)). An empty bucket's stats other than its share are NaN (nothing to average)."""
+    import torch
+
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(q)
     total = mask.bool().sum().clamp(min=1)
