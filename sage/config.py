@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 # re-exported: its own module lets sage.paths and sage.run_folder raise it without importing sage.config
-from sage.errors import ConfigError  # noqa: F401
+from sage.errors import NO_SPACE_TEXT, ConfigError  # noqa: F401
 
 # ---------------------------------------------------------------- schemas generated from their targets
 # A schema mirrors its target's constructor: the same names, the types OmegaConf can check, and the target's
@@ -686,8 +686,6 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# How a full disk reads where no OSError carries its errno: safetensors (Rust), SQLite (an MLflow store).
-NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "database or disk is full")
 # torch.save's C++ writer reports a failed write without its cause ("unexpected pos 576 vs 534").
 TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter")
 FULL_BELOW_BYTES = 1 << 20

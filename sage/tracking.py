@@ -24,9 +24,22 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from sage.errors import ConfigError
+from sage.errors import NO_SPACE_TEXT, ConfigError
 
 log = logging.getLogger(__name__)
+
+
+class _FullDiskNoise(logging.Filter):
+    """MLflow's SQL store logs a failed commit with its whole traceback before it raises. On a full disk
+    the raised error ends the run with one line naming where (sage.config.full_disk), so the log is only
+    noise above it: dropped. Every other store error is logged as MLflow logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not any(t in str(error) for t in NO_SPACE_TEXT) if error is not None else True
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_FullDiskNoise())
 
 RUN_ID_FILE = "mlflow_run_id"
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)

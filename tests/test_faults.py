@@ -564,3 +564,42 @@ def test_a_run_on_a_full_disk_is_one_line_naming_it(small_disk, tmp_path):
     )
     assert re.fullmatch(rf"error: the disk is full: ({where}); free space there and rerun", last), last
     assert MlflowClient(store).get_run((out / RUN_ID_FILE).read_text()).info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_store_that_fills_mid_run_is_one_line_and_the_run_failed(small_disk, tmp_path):
+    """Issue 47: an SQLite store whose disk filled mid-run printed 85 lines of MLflow's traceback first and
+    left the run RUNNING. The store is made, then its filesystem shrunk to what the empty store takes plus
+    a little: the run's metrics fill it."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{small_disk / 'mlflow.db'}"
+    open_store(store, "sage")
+    used = shutil.disk_usage(small_disk).used
+    shrunk = subprocess.run(
+        ["mount", "-o", f"remount,size={used + (96 << 10)}", str(small_disk)], capture_output=True
+    )
+    if shrunk.returncode != 0:
+        pytest.skip(f"cannot shrink the small filesystem here: {shrunk.stderr.decode().strip()}")
+    out = tmp_path / "run"  # the run's own folder on a disk with room
+    r = entry_point(
+        "sage.train",
+        "trl.max_steps=2",
+        "trl.per_device_train_batch_size=16",
+        "trl.num_generations=4",
+        "eval.limit=8",
+        "eval.n_samples=4",
+        "eval.ks=[1,4]",
+        f"output_dir={out}",
+        f"tracking.uri={store}",
+        timeout=900,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "database or disk is full" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"error: the disk is full: {re.escape(str(small_disk))} has \d+ bytes left and a write failed; free "
+        "space there and rerun",
+        last,
+    ), last
+    assert MlflowClient(store).get_run((out / RUN_ID_FILE).read_text()).info.status == "FAILED"
