@@ -163,6 +163,24 @@ def test_branch_and_archer_side_by_side_by_entropy_bin():
     bins = gd.pair_by_entropy(q_branch, q_archer, h, (0.0, 0.1, 1.2))
     assert [(b["low"], b["share"]) for b in bins] == [(0.0, 0.5), (1.2, 0.5)]  # the empty bin left out
     assert bins[0]["ratio"] == pytest.approx(1.0 / 1.2) and bins[1]["ratio"] == pytest.approx(1.4 / 0.5)
+    released = gd.pair_by_entropy(q_branch, np.array([1.0, 1.0, 0.0, 0.0]), h, (0.0, 1.2))
+    assert math.isnan(released[1]["ratio"]) and released[1]["b"] == 0.0
+
+
+def test_archers_strength_not_its_q_is_set_beside_branch():
+    """At step 0 Archer's released tokens have q = pi/pi_ref = 1, yet k3 pulls there with strength 0: the
+    comparison reads strengths. Two solutions of 5 tokens: each one's top token (above its own 0.8
+    quantile) is released."""
+    from sage.objective.guides import ArcherGuide, BranchGuide
+
+    h = [np.array([0.1, 0.2, 0.3, 0.4, 2.0]), np.array([0.0, 0.0, 0.5, 0.1, 0.2])]
+    archer, branch = ArcherGuide(), BranchGuide(ratio=0.3, threshold=1.2)
+    q = gd.guide_q(archer, [np.zeros(5), np.zeros(5)], h)
+    assert all((x == 1.0).all() for x in q)  # the release's q at step 0
+    strength = gd.anchor_strength(archer, q, h)
+    assert strength[0].tolist() == [1, 1, 1, 1, 0] and strength[1].tolist() == [1, 1, 0, 1, 1]
+    branch_q = gd.guide_q(branch, [np.zeros(5), np.zeros(5)], h)
+    assert gd.anchor_strength(branch, branch_q, h) is branch_q  # Branch's strength is its q
 
 
 def test_entropy_summary_by_hand():

@@ -212,6 +212,15 @@ def test_archer_split_by_each_completions_quantile():
         ),
     )
     assert g.params(0) == {"quantile": 0.8, "q_high": 0.5, "q_low": 1.25}
+    # its strength is its q for a positive q_high; the release (q_high = 0) is strength 0 where q is 1
+    assert torch.equal(g.strength(ARCHER_H, ARCHER_MASK), q.to(ARCHER_H.dtype))
+    released = ArcherGuide()
+    h = ARCHER_H.double()
+    q0 = released(
+        logps=torch.zeros_like(h), ref_logps=torch.zeros_like(h), entropies=h, mask=ARCHER_MASK, step=0
+    )
+    assert q0[0, 4] == 1.0 and released.strength(h, ARCHER_MASK)[0, 4] == 0.0
+    assert released.strength(h, ARCHER_MASK)[0, 0] == 1.0 and released.strength(h, ARCHER_MASK)[0, 5] == 1.0
 
 
 def test_archer_split_by_the_batch_quantile_or_a_fixed_threshold():

@@ -275,9 +275,9 @@ def lift_intervals(
 def pair_by_entropy(
     q_a: np.ndarray, q_b: np.ndarray, entropies: np.ndarray, edges: Sequence[float]
 ) -> list[dict[str, float]]:
-    """Two guides' q on the same tokens, by entropy bin (``edges`` in nats, last bin open): each bin's
-    share of the tokens, both guides' mean q and the ratio of those means. Under k3 a guide scales the
-    anchor's pull at a token by q, so the ratio is how much harder the first guide pulls there."""
+    """Two guides' anchor strengths (:func:`anchor_strength`) on the same tokens, by entropy bin (``edges``
+    in nats, last bin open): each bin's share of the tokens, both guides' mean strength and the ratio of
+    those means (NaN where the second is 0): how much harder the first guide pulls there."""
     out = []
     bounds = [*edges, math.inf]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -285,7 +285,8 @@ def pair_by_entropy(
         if not where.any():
             continue
         a, b = float(q_a[where].mean()), float(q_b[where].mean())
-        out.append({"low": lo, "high": hi, "share": float(where.mean()), "a": a, "b": b, "ratio": a / b})
+        ratio = a / b if b > 0 else math.nan  # no pull at all on the second side: no ratio
+        out.append({"low": lo, "high": hi, "share": float(where.mean()), "a": a, "b": b, "ratio": ratio})
     return out
 
 
@@ -334,6 +335,20 @@ def q_summary(
     }
     if q_max is not None:
         out["share_at_q_max"] = float((q >= q_max - 1e-6).mean())
+    return out
+
+
+def anchor_strength(guide, q: list[np.ndarray], entropies: list[np.ndarray]) -> list[np.ndarray]:
+    """Each solution's anchor strength under k3 (the factor on beta at each token): the guide's q for a
+    guide that scales the pull by q (Branch and the others), its own ``strength`` for one whose q is not its
+    strength (Archer's release: q = pi/pi_ref, 1 at step 0, strength 0). Computed per solution, as the
+    guide's quantiles are each completion's."""
+    if not hasattr(guide, "strength"):
+        return q
+    out = []
+    for h in entropies:
+        t = torch.as_tensor(h).unsqueeze(0)
+        out.append(guide.strength(t, torch.ones_like(t))[0].double().numpy())
     return out
 
 
@@ -635,11 +650,14 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "## Branch against Archer on the same tokens",
             "",
-            "Mean q of each by entropy bin (nats). Under k3 a guide scales the anchor's pull toward pi_ref "
-            "at a token by q: Branch pulls harder at high-entropy tokens, Archer less (and more at "
-            "low-entropy ones); the ratio is Branch's pull over Archer's.",
+            "The anchor's mean strength (the factor on beta at a token under k3) of each by entropy bin "
+            "(nats). Branch's strength is its q: it pulls harder toward pi_ref at high-entropy tokens. "
+            "Archer's is q_low at each solution's low-entropy tokens and q_high above its quantile, 0 for "
+            "its release (q_high = 0: there its q is pi/pi_ref, 1 at step 0 as in the table above, and the "
+            "anchor is the policy itself); the ratio is Branch's pull over Archer's (n/a where Archer's is "
+            "0).",
             "",
-            "| entropy bin | share of tokens | branch q | archer q | branch / archer |",
+            "| entropy bin | share of tokens | branch strength | archer strength | branch / archer |",
             "|---|---|---|---|---|",
         ]
         for b in report["branch_vs_archer"]:
@@ -810,8 +828,16 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
         "guides": {},
     }
     if {"branch", "archer"} <= set(q_by_guide):  # opposite hypotheses about the same tokens (docs/method.md)
+        strengths = {
+            name: np.concatenate(
+                anchor_strength(
+                    guides[name], [x["q"][name] for x in records], [x["entropy"] for x in records]
+                )
+            )
+            for name in ("branch", "archer")
+        }
         report["branch_vs_archer"] = pair_by_entropy(
-            q_by_guide["branch"], q_by_guide["archer"], entropies, PAIR_EDGES
+            strengths["branch"], strengths["archer"], entropies, PAIR_EDGES
         )
     texts = np.concatenate([np.array(x["texts"], dtype=object) for x in records])
     report["top_tokens"] = {name: top_texts(texts, entropies > t) for name, t in thresholds.items()}

@@ -415,6 +415,15 @@ class ArcherGuide:
         cut = {"quantile": self.quantile} if self.threshold is None else {"threshold": self.threshold}
         return {**cut, "q_high": self.q_high, "q_low": self.q_low}
 
+    def strength(self, entropies, mask):
+        """The anchor's strength at each position under k3, the factor on beta: ``q_low`` at low-entropy
+        tokens, ``q_high`` at high-entropy ones, 0 where the anchor is released (``q_high = 0``: there q is
+        pi/pi_ref, which is 1 while the policy is its reference, yet k3 pulls with strength 0); 1 on
+        padding. What guide diagnostics set beside Branch's q, which is its strength."""
+        high = high_entropy(entropies, mask, self.quantile, self.threshold, self.level)
+        s = torch.where(high, torch.full_like(entropies, self.q_high), torch.full_like(entropies, self.q_low))
+        return torch.where(mask.bool(), s, torch.ones_like(s))
+
     def __call__(
         self, *, logps, ref_logps, entropies, mask, step: int, rank: int = 0, micro: int = 0, fork=None
     ):
