@@ -546,11 +546,12 @@ def test_vllm_backend_serves_the_adapter_and_seeds_the_engine_not_the_requests(t
         vllm_gpu_memory_utilization=0.45,
         vllm_tensor_parallel_size=2,
         vllm_cpu_memory_utilization=0.3,
+        vllm_compile=False,  # eager, as asked (sage.eval.sampling.compiles)
     )
 
     sampler = sampling.VllmSampler(Checkpoint.resolve(str(adapter)), "bfloat16", eval_cfg_vllm)
-    device = (  # what the CUDA build takes; the CPU build runs eager and reserves a share of RAM
-        {"gpu_memory_utilization": 0.45, "tensor_parallel_size": 2}
+    device = (  # what the CUDA build takes; the CPU build reserves a share of RAM
+        {"gpu_memory_utilization": 0.45, "tensor_parallel_size": 2, "enforce_eager": True}
         if torch.cuda.is_available()
         else {"enforce_eager": True, "gpu_memory_utilization": 0.3}
     )
@@ -843,3 +844,23 @@ def test_sage_trains_evaluation_checks_every_prompt_before_any_sampling(sampler,
     ):
         run(build_tiny_model(), tmp_path / "res", rows=rows)
     assert sampler.opened == 0
+
+
+def test_the_evaluation_engine_compiles_a_real_model_and_runs_a_testbed_model_eager(tmp_path):
+    """eval.vllm_compile: as asked when set; null compiles when the base's weight files take at least
+    200 MB (a real model: the compilation's minutes at the start are repaid by faster sampling), and a hub
+    model (no local folder), and runs the small testbed models eager."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = folder / "model.safetensors"
+    with open(weights, "wb") as f:  # sparse: the size is what counts, not the bytes written
+        f.truncate(sampling.COMPILE_FROM_BYTES - 1)
+    checkpoint = Checkpoint.resolve(str(folder))
+    assert not sampling.compiles(checkpoint, None)
+    assert sampling.compiles(checkpoint, True) and not sampling.compiles(checkpoint, False)
+    with open(weights, "r+b") as f:
+        f.truncate(sampling.COMPILE_FROM_BYTES)
+    assert sampling.compiles(checkpoint, None) and not sampling.compiles(checkpoint, False)
+    hub = Checkpoint.resolve("Qwen/Qwen2.5-Math-7B")
+    assert sampling.compiles(hub, None)
