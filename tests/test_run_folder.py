@@ -194,6 +194,30 @@ def test_a_second_grid_driver_into_a_held_sweep_dir_is_one_line_and_writes_nothi
     assert not (sweep / JOBS_FILE).exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
+def test_a_grid_extended_in_its_sweep_dir_is_renamed_to_what_it_now_compares(tmp_path):
+    """Issue 47: extending a grid in its sweep dir kept its first name ("experiment=grpo,grpo_branch x
+    seed=1,2" over four methods). Two launches into one sweep dir, seeds 1 then 2: one parent run, named
+    by both, its lock released after each."""
+    from sage.run_folder import GRID_LOCK_FILE
+
+    sweep, uri = tmp_path / "sweep", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["trl.max_steps=0", "eval.limit=2", "eval.n_samples=2", "eval.ks=[1,2]", f"tracking.uri={uri}"]
+    for seed in ("1", "2"):
+        r = entry_point(
+            "sage.train", "-m", "hydra/launcher=local", f"seed={seed}", "rollout=fast,hf", *common,
+            f"hydra.sweep.dir={sweep}", timeout=900,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not (sweep / GRID_LOCK_FILE).exists()  # released when the grid ends
+    client = mlflow_client(uri)
+    exp = client.get_experiment_by_name("sage").experiment_id
+    (parent,) = client.search_runs([exp], "tags.`sage.kind` = 'grid'")
+    assert parent.info.run_name == "seed=1,2 x rollout=fast,hf"
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 4
+
+
 # ------------------------------------------------------------------ MLflow (fast)
 def tracking_cfg(uri: str, **extra):
     """What start_run reads of a config: the tracking node (every field the schema has), seed, two keys."""
