@@ -367,3 +367,12 @@ def test_top_texts_by_hand():
         {"text": "2", "count": 1, "share": 1 / 3, "selected_rate": 1 / 3},
     ]
     assert gd.top_texts(texts, np.zeros(6, dtype=bool)) == []
+
+
+def test_a_cached_models_path_is_recorded_without_the_machines_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models" / "gguf-abc").mkdir(parents=True)
+    assert (
+        gd.portable_path(str(tmp_path / "cache" / "models" / "gguf-abc")) == "$SAGE_CACHE_DIR/models/gguf-abc"
+    )
+    assert gd.portable_path("/elsewhere/model") == "/elsewhere/model"

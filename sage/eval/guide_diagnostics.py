@@ -809,7 +809,7 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
     report: dict[str, Any] = {
         "settings": {
             "model": model_label,
-            "model_path": str(model_path),
+            "model_path": portable_path(str(model_path)),
             "datasets": list(rows_by_dataset),
             "problems": len(rows),
             "n_samples": max((len(x) for x in solutions), default=0),
@@ -853,6 +853,17 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
     title = f"Guide diagnostics: {model_label}, {len(shown)} solutions"
     picture = render_html(shown, [g for g in guides if g != "none"], thresholds, title)
     return report, picture
+
+
+def portable_path(path: str) -> str:
+    """``path`` as the record keeps it: a model built into this machine's cache as ``$SAGE_CACHE_DIR/...``
+    (the folder is named by the model's content, so it reads the same on every machine), else as given."""
+    from sage.paths import cache_dir
+
+    try:
+        return f"$SAGE_CACHE_DIR/{Path(path).resolve().relative_to(cache_dir().resolve())}"
+    except ValueError:
+        return path
 
 
 def metrics_of(report: dict[str, Any]) -> dict[str, float]:
