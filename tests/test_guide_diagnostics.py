@@ -376,3 +376,18 @@ def test_a_cached_models_path_is_recorded_without_the_machines_home(tmp_path, mo
         gd.portable_path(str(tmp_path / "cache" / "models" / "gguf-abc")) == "$SAGE_CACHE_DIR/models/gguf-abc"
     )
     assert gd.portable_path("/elsewhere/model") == "/elsewhere/model"
+
+
+def test_every_guides_strength_in_the_training_logs_buckets():
+    """The offline view of anchor_buckets/: ten tokens, quintiles of two tokens each, and the tokens above
+    1.2 nats; each guide's mean strength there."""
+    h = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.5, 2.5])
+    strengths = {"branch": np.where(h > 1.2, 1.3, 1.0), "archer": np.where(h > 1.2, 0.0, 1.0)}
+    rows = {r["bucket"]: r for r in gd.strength_by_bucket(strengths, h)}
+    assert list(rows) == ["q1", "q2", "q3", "q4", "q5", "above_1.2"]
+    assert rows["q5"]["share"] == 0.2 and (rows["q5"]["entropy_low"], rows["q5"]["entropy_high"]) == (
+        1.5,
+        2.5,
+    )
+    assert rows["q5"]["branch"] == pytest.approx(1.3) and rows["q5"]["archer"] == 0.0
+    assert rows["q1"]["branch"] == 1.0 and rows["above_1.2"]["archer"] == 0.0

@@ -290,6 +290,31 @@ def pair_by_entropy(
     return out
 
 
+def strength_by_bucket(strengths: dict[str, np.ndarray], entropies: np.ndarray) -> list[dict[str, Any]]:
+    """Every guide's mean anchor strength in the buckets the training log uses (``anchor_buckets/``:
+    the entropy quintiles of the tokens, here of all the solutions' tokens pooled, and the tokens above
+    1.2 nats; sage.objective.buckets), with each bucket's share of the tokens and entropy range: the
+    offline view of what a run logs per step."""
+    from sage.objective.buckets import bucket_masks
+
+    h = torch.as_tensor(entropies).unsqueeze(0)
+    out = []
+    for name, where in bucket_masks(h, torch.ones_like(h)).items():
+        where = where[0].numpy()
+        if not where.any():
+            continue
+        out.append(
+            {
+                "bucket": name,
+                "share": float(where.mean()),
+                "entropy_low": float(entropies[where].min()),
+                "entropy_high": float(entropies[where].max()),
+                **{g: float(v[where].mean()) for g, v in strengths.items()},
+            }
+        )
+    return out
+
+
 def top_texts(texts: np.ndarray, selected: np.ndarray, k: int = 15) -> list[dict[str, Any]]:
     """The ``k`` most frequent token texts among the ``selected`` tokens: each with its count, its share of
     the selected tokens and how often that text is selected wherever it occurs (P(selected | text))."""
@@ -645,6 +670,24 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("|---|" + "---|" * len(CATEGORIES))
     for name, g in report["guides"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(g["mean_by_category"][c]) for c in CATEGORIES) + " |")
+    if "strength_by_bucket" in report:
+        buckets = report["strength_by_bucket"]
+        guides = [k for k in buckets[0] if k not in ("bucket", "share", "entropy_low", "entropy_high")]
+        lines += [
+            "",
+            "## Each guide's anchor strength by entropy bucket",
+            "",
+            "The buckets of the training log (`anchor_buckets/`: the entropy quintiles of these tokens, q1 "
+            "lowest, and the tokens above 1.2 nats); the anchor's mean strength under k3 (the factor on "
+            "beta: a guide's q, Archer's 0 where it releases the anchor).",
+            "",
+            "| bucket | share of tokens | entropy (nats) | " + " | ".join(guides) + " |",
+            "|---|---|---|" + "---|" * len(guides),
+        ]
+        for b in buckets:
+            span = f"{b['entropy_low']:.3f}-{b['entropy_high']:.3f}"
+            cells = " | ".join(_fmt(b[g]) for g in guides)
+            lines.append(f"| {b['bucket']} | {_fmt(b['share'])} | {span} | {cells} |")
     if "branch_vs_archer" in report:
         lines += [
             "",
@@ -827,15 +870,14 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
         "where": where_high(categories, entropies, thresholds, solution, seed=int(cfg.seed)),
         "guides": {},
     }
+    strengths = {
+        name: np.concatenate(
+            anchor_strength(guides[name], [x["q"][name] for x in records], [x["entropy"] for x in records])
+        )
+        for name in guides
+    }
+    report["strength_by_bucket"] = strength_by_bucket(strengths, entropies)
     if {"branch", "archer"} <= set(q_by_guide):  # opposite hypotheses about the same tokens (docs/method.md)
-        strengths = {
-            name: np.concatenate(
-                anchor_strength(
-                    guides[name], [x["q"][name] for x in records], [x["entropy"] for x in records]
-                )
-            )
-            for name in ("branch", "archer")
-        }
         report["branch_vs_archer"] = pair_by_entropy(
             strengths["branch"], strengths["archer"], entropies, PAIR_EDGES
         )
