@@ -39,7 +39,6 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from sage.errors import ConfigError
-from sage.paths import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +463,9 @@ def keep_earlier_final(
     if results.is_file():  # the model it names is the one that moved
         payload = json.loads(results.read_text())
         if payload.get("checkpoint") == moved:
-            write_atomically(results, json.dumps({**payload, "checkpoint": str(aside.resolve())}, indent=1))
+            tmp = results.with_name(f"{results.name}.{os.getpid()}.tmp")  # whole or not at all
+            tmp.write_text(json.dumps({**payload, "checkpoint": str(aside.resolve())}, indent=1))
+            os.replace(tmp, results)
     for record_file in sorted(eval_dir.glob("mlflow_run_id*.json")) if eval_dir.is_dir() else []:
         record = json.loads(record_file.read_text())
         record["folder"] = str(eval_dir.resolve())
