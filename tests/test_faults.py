@@ -24,6 +24,7 @@ import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_robustness import as_foreground
 
 from sage.config import ConfigError, check_eval, exit_on_config_error, full_disk, validate
 from sage.eval.checkpoint import check_prompt_format
@@ -278,6 +279,7 @@ def terminated_run(tmp_path_factory):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=as_foreground,
     )
     try:
         wait_for_line(proc, "step 3/", deadline_s=900)
@@ -358,6 +360,7 @@ def test_sage_evals_ctrl_c_does_not_advise_resume(tmp_path, testbed_model):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=as_foreground,
     )
     try:
         for line in proc.stdout:  # the run exists once this is logged; sampling 200 x 256 comes next

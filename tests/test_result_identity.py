@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import test_evaluate
 from omegaconf import OmegaConf
-from test_robustness import one_line_error, sage_train
+from test_robustness import as_foreground, one_line_error, sage_train
 from test_run_folder import TINY, compose  # the smallest real run, and a composed config
 
 from sage.config import ConfigError
@@ -431,7 +431,7 @@ def test_sigterm_during_the_base_model_build_names_no_run_and_no_resume(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "sage.train", *TINY, "trl.max_steps=1", f"output_dir={tmp_path / 'run'}"],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "SAGE_CACHE_DIR": str(cache), **env_for(uri)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=as_foreground,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +99,15 @@ def entry_point(
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
+
+
+def as_foreground() -> None:
+    """``preexec_fn`` of a child a test interrupts: SIGINT and SIGTERM unblocked and at their default, as
+    for a command typed at a terminal, whatever the test worker's own state. An ignored or blocked signal is
+    inherited across exec; under xdist a child once ran a whole evaluation through the test's Ctrl-C."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def one_line_error(r: subprocess.CompletedProcess) -> str:
@@ -432,6 +442,7 @@ def test_ctrl_c_during_training_is_one_line_and_the_run_is_killed(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": uri},
+        preexec_fn=as_foreground,
     )
     try:
         deadline = time.monotonic() + 600

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_robustness import entry_point, one_line_error, sage_eval, sage_train
+from test_robustness import as_foreground, entry_point, one_line_error, sage_eval, sage_train
 
 from sage.config import ConfigError
 from sage.run_folder import (
@@ -367,6 +367,7 @@ def test_two_writers_in_one_folder(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1", **env_for(uri)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=as_foreground,
     )
     try:
         deadline = time.monotonic() + 300
