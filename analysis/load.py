@@ -454,21 +454,27 @@ def analysis_frame(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["run_id", "label", "dataset", "kind", "name", "value"])
 
 
-def perplexities(client, run_id: str, label: str, dataset: str, dst: Path) -> list[float] | None:
-    """The per-sample perplexities under the base model the analysis step logged, or None."""
-    name = f"eval/{label}/{label}_{dataset}_perplexity.json"
+def logged_artifact(client, run_id: str, label: str, file: str, dst: Path) -> Path | None:
+    """The run's artifact ``eval/<label>/<file>`` downloaded under ``dst``, or None when it was not logged."""
+    name = f"eval/{label}/{file}"
     if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
         return None
-    return json.loads(Path(client.download_artifacts(run_id, name, str(dst / run_id))).read_text())
+    return Path(client.download_artifacts(run_id, name, str(dst / run_id)))
+
+
+def perplexities(client, run_id: str, label: str, dataset: str, dst: Path) -> list[float] | None:
+    """The per-sample perplexities under the base model the analysis step logged, or None."""
+    path = logged_artifact(client, run_id, label, f"{label}_{dataset}_perplexity.json", dst)
+    return None if path is None else json.loads(path.read_text())
 
 
 def correctness(client, run_id: str, label: str, dataset: str, dst: Path) -> list[np.ndarray] | None:
     """The boolean (problems x samples) correctness matrices of every evaluation seed (in seed order) that
     ``Tracker.log_eval`` logged for ``label`` on ``dataset``, or None."""
-    name = f"eval/{label}/{label}_{dataset}_correct.npz"
-    if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
+    path = logged_artifact(client, run_id, label, f"{label}_{dataset}_correct.npz", dst)
+    if path is None:
         return None
-    with np.load(client.download_artifacts(run_id, name, str(dst / run_id))) as npz:
+    with np.load(path) as npz:
         # savez names positional arrays arr_0, arr_1, ...: numeric order, not the archive's
         keys = sorted(npz.files, key=lambda f: int(f.removeprefix("arr_")))
         return [npz[f].astype(bool) for f in keys]
@@ -477,10 +483,8 @@ def correctness(client, run_id: str, label: str, dataset: str, dst: Path) -> lis
 def problem_ids(client, run_id: str, label: str, dataset: str, dst: Path) -> list[str] | None:
     """The ids of the problems of ``correctness``'s matrices, in their order, as ``Tracker.log_eval`` logged
     them (``<label>_<dataset>_problems.json``), or None (a run evaluated before they were logged)."""
-    name = f"eval/{label}/{label}_{dataset}_problems.json"
-    if name not in {a.path for a in client.list_artifacts(run_id, f"eval/{label}")}:
-        return None
-    return json.loads(Path(client.download_artifacts(run_id, name, str(dst / run_id))).read_text())
+    path = logged_artifact(client, run_id, label, f"{label}_{dataset}_problems.json", dst)
+    return None if path is None else json.loads(path.read_text())
 
 
 def run_config(client, run_id: str, dst: Path):
