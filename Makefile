@@ -126,6 +126,12 @@ FORK_ARGS = -m hparams_search=fork model=tiny_fork seed=$(FORK_SEEDS) hydra/laun
   eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=testbed-fork hydra.sweep.dir=$(FORK_SWEEP)
 FORK_REPORT = --experiment testbed-fork --seeds $(FORK_SEEDS) --min-seeds 8 \
   --figures-dir $(RESULTS)/figures_fork --tables-dir $(RESULTS)/tables_fork
+# What reproduce-fork-report rebuilds testbed.md from, committed: the study's runs as sage-report reads them
+# (analysis/snapshot.py), each comparison's per-problem counts, and the study's wall time.
+FORK_SNAPSHOT = $(RESULTS)/data/fork_study.json.gz
+FORK_PRIMARY_DATA = $(RESULTS)/data/fork_primary.json
+FORK_CONTROL_DATA = $(RESULTS)/data/fork_control.json
+FORK_TIME = $(RESULTS)/data/fork_time.md
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call assembled_at,<target>)`: the provenance sentence of an assembled report (the commit, and whether the
@@ -137,7 +143,7 @@ assembled_at = Assembled by \`make $(1)\` at commit $$(git rev-parse --short=12 
 timed = mkdir -p $(REPRO) $(RESULTS) && start=$$(date +%s) && $(3) && \
 	echo "| $(2) | $$(( ($$(date +%s) - start + 30) / 60 )) min |" > $(REPRO)/time_$(1).md
 
-.PHONY: reproduce-testbed reproduce-fork reproduce-fork-report reproduce-graded reproduce-base reproduce-table1 \
+.PHONY: reproduce-testbed reproduce-fork reproduce-fork-data reproduce-fork-report reproduce-graded reproduce-base reproduce-table1 \
   reproduce-table3 reproduce-table4 reproduce-table6 reproduce-report
 reproduce-testbed: install  ## issue 22: the fair test of SAGE on the fork world, then docs/results/testbed.md
 	$(MAKE) reproduce-fork
@@ -227,21 +233,31 @@ reproduce-fork: install  ## issue 22's runs: the fork world's base model and stu
 	$(call timed,fork,Fork world: base model and study ($(FORK_SEEDS)),$(PY) -m sage.eval.testbed_measure \
 	  --model tiny_fork --markdown > $(RESULTS)/testbed_fork_base.md && $(SAGE_TRAIN) $(FORK_ARGS) && \
 	  $(SAGE_REPORT) $(FORK_REPORT) --out $(RESULTS)/testbed_fork.md)
+	$(MAKE) reproduce-fork-data
 
-reproduce-fork-report:  ## docs/results/testbed.md from the fork study's store: report, base model, reading, provenance, wall time
+reproduce-fork-data:  ## the fork study's committed data files, from its store and sweep folder (after reproduce-fork)
+	mkdir -p $(RESULTS)/data
+	$(SAGE_REPORT) --experiment testbed-fork --export $(FORK_SNAPSHOT)
+	$(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_PRIMARY) --seeds 0 --save-data $(FORK_PRIMARY_DATA) > /dev/null
+	$(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_CONTROL) --seeds 0 --save-data $(FORK_CONTROL_DATA) > /dev/null
+	cp $(REPRO)/time_fork.md $(FORK_TIME)
+
+reproduce-fork-report:  ## docs/results/testbed.md from the fork study's committed data files alone (no store, no runs)
 	mkdir -p $(RESULTS) && ( echo "## Provenance and wall time"; echo; \
 	  echo "$(call assembled_at,reproduce-fork-report) the report's provenance line names the commit its runs were made at."; \
-	  echo "Store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the commands:"; echo; \
+	  echo "Built from the data files \`$(FORK_SNAPSHOT)\` (the study's runs, \`sage-report --export\`), \`$(FORK_PRIMARY_DATA)\`"; \
+	  echo "and \`$(FORK_CONTROL_DATA)\` (per-problem counts, \`scripts/positive_control.py --save-data\`), which"; \
+	  echo "\`make reproduce-fork\` writes from its store \`MLFLOW_TRACKING_URI=sqlite:///$(REPRO)/mlflow.db\`; the commands:"; echo; \
 	  echo "- base: \`python -m sage.eval.testbed_measure --model tiny_fork --markdown\`"; \
 	  echo "- the study: \`sage-train $(FORK_ARGS)\`"; \
-	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(REPRO)/time_fork.md 2>/dev/null ) > $(RESULTS)/testbed_fork_timings.md
+	  echo; echo "| part | wall time |"; echo "|---|---|"; cat $(FORK_TIME) ) > $(RESULTS)/testbed_fork_timings.md
 	( echo "## The declared primary and its positive control"; echo; \
 	  echo "The rare strategy's share of the tail's samples, declared in the Makefile before the run, with the per-pair"; \
 	  echo "interval of \`analysis/bootstrap.py\` (\`difference\`): \`python scripts/positive_control.py <sweep> --seeds 0\`"; \
 	  echo "with \`$(FORK_PRIMARY)\` (the primary) and \`$(FORK_CONTROL)\` (its positive control)."; \
-	  echo; echo '```'; $(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_PRIMARY) --seeds 0 && echo && \
-	  $(POSITIVE_CONTROL) $(FORK_SWEEP) $(FORK_CONTROL) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
-	$(SAGE_REPORT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
+	  echo; echo '```'; $(POSITIVE_CONTROL) --data $(FORK_PRIMARY_DATA) --seeds 0 && echo && \
+	  $(POSITIVE_CONTROL) --data $(FORK_CONTROL_DATA) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
+	$(VENV)/bin/sage-report --snapshot $(FORK_SNAPSHOT) --k 256 --extra-k 64 $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
 	  $(addprefix --include ,$(wildcard $(RESULTS)/fork_reading.md)) --include $(RESULTS)/testbed_fork_timings.md \
 	  --out $(RESULTS)/testbed.md
 

@@ -1,4 +1,5 @@
-"""MLflow -> tidy pandas frames. The only module of ``analysis/`` that talks to MLflow.
+"""MLflow -> tidy pandas frames. The only module of ``analysis/`` that talks to MLflow, with
+``analysis.snapshot`` (the same reads answered from a committed file).
 
 Why frames: every table and figure is a function of these frames, so the tests can check values on
 hand-made frames and against what MLflow recorded, without a second path to the numbers.

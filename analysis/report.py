@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import bootstrap, figures, load, moved, tables
+from analysis import bootstrap, figures, load, moved, snapshot, tables
 from analysis.load import ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
@@ -809,6 +809,11 @@ def portable_uri(uri: str) -> str:
     return uri
 
 
+def portable_path(path: Path) -> str:
+    """A file as a committed report names it: relative to the folder sage-report ran from."""
+    return os.path.relpath(path) if Path(path).is_absolute() else str(path)
+
+
 def provenance(uri: str, experiment: str, run_ids: Sequence[str], sel: Selection) -> str:
     commits = sel.runs["git_commit"].value_counts()
     commit_text = ", ".join(f"`{c[:12]}` ({n} runs)" for c, n in commits.items())
@@ -1222,6 +1227,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "experiment(s), filter and run ids: made on the first call, reused by the next ones",
     )
     p.add_argument(
+        "--export",
+        type=Path,
+        metavar="FILE",
+        help="write the store's runs of --experiment (what this report reads of them: tags, params, latest "
+        "metrics, the curves' histories, correctness matrices packed to bits) to FILE (.json.gz) and nothing "
+        "else, for --snapshot to rebuild the report without the store (analysis/snapshot.py)",
+    )
+    p.add_argument(
+        "--snapshot",
+        type=Path,
+        metavar="FILE",
+        help="read the runs from a file --export wrote instead of an MLflow store: the same tables",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="only check that the store holds runs of the experiment(s) and filter; writes nothing "
@@ -1258,8 +1277,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"sage-report: --include file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
+    clash = [
+        flag
+        for flag, given in (("--tracking-uri", args.tracking_uri), ("--export", args.export),
+                            ("--log-to-mlflow", args.log_to_mlflow), ("--check", args.check))
+        if given
+    ]  # fmt: skip
+    if args.snapshot and clash:
+        print(f"sage-report: --snapshot reads a file, not a store: drop {', '.join(clash)}", file=sys.stderr)
+        return 2
     try:
-        client, uri = readable_store(args.tracking_uri)
+        if args.snapshot:
+            client = snapshot.SnapshotClient(args.snapshot)
+            uri = f"{portable_path(args.snapshot)} (snapshot of {client.source})"
+        else:
+            client, uri = readable_store(args.tracking_uri)
+        if args.export:
+            n = snapshot.export(client, portable_uri(uri), args.experiment, args.export)
+            size = args.export.stat().st_size
+            print(
+                f"snapshot: {args.export} ({n['runs']} runs, {n['points']} curve points, {n['artifacts']} "
+                f"artifacts, {size / 1e6:.2f} MB) of {args.experiment} in {portable_uri(uri)}"
+            )
+            return 0
         if args.check:
             n = len(load.fetch_runs(client, args.experiment, [], args.filter))
             if n == 0:

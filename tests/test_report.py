@@ -16,7 +16,7 @@ import pandas as pd
 import prefork
 import pytest
 
-from analysis import load, report, tables
+from analysis import load, report, snapshot, tables
 from analysis.load import ReportError
 from analysis.tables import Stat, stat
 from sage.eval.analyses import TESTBED_PROBLEM
@@ -578,3 +578,56 @@ def test_a_k_above_every_evaluations_n_is_one_line(tmp_path):
     assert not (tmp_path / "r.md").exists()
     r = prefork.run([sys.executable, "-m", "analysis.report", *args, "--k", "4"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_snapshot_rebuilds_the_same_tables_and_figures_without_the_store(store, tmp_path, capsys):
+    """``sage-report --export`` writes what the report reads of an experiment's runs to one compact file;
+    ``--snapshot`` on that file, with no store, writes the same tables (md, tex, csv), the same figures and
+    the same report apart from its provenance line; exporting twice gives the same bytes."""
+    snap = tmp_path / "report.json.gz"
+    code, err, _ = report_main(store, capsys, "--experiment", "report", "--export", str(snap))
+    assert code == 0 and snap.is_file(), err
+    again = tmp_path / "again.json.gz"
+    assert report_main(store, capsys, "--experiment", "report", "--export", str(again))[0] == 0
+    assert again.read_bytes() == snap.read_bytes()
+    assert snap.stat().st_size < 100_000  # 6 runs, their curves and packed correctness matrices
+
+    args = ["--experiment", "report", "--bootstrap", "200"]
+    code, err, from_store = report_main(store, capsys, *args, out=tmp_path / "store" / "r.md")
+    assert code == 0, err
+    from_snap = tmp_path / "snap" / "r.md"
+    code = report.main(["--snapshot", str(snap), "--out", str(from_snap), *args])
+    assert code == 0, capsys.readouterr().err
+    for kind in ("tables", "figures"):
+        a, b = from_store.parent / kind, from_snap.parent / kind
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir()) and len(names) >= 6, names
+        for name in names:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{kind}/{name}"
+    store_md, snap_md = from_store.read_text().splitlines(), from_snap.read_text().splitlines()
+    differ = [(x, y) for x, y in zip(store_md, snap_md, strict=True) if x != y]
+    assert len(differ) == 1 and differ[0][1].startswith(
+        f"Provenance: experiment `report` in `{os.path.relpath(snap)} (snapshot of sqlite:///"
+    ), differ
+
+    # what the file does not hold is an error naming it, never an empty answer; a snapshot is not a store
+    client = snapshot.SnapshotClient(snap)
+    run_id = store["ids"]["g0"]
+    assert len(client.get_metric_history(run_id, "train/reward")) > 1
+    unkept = next(k for k in client.get_run(run_id).data.metrics if k.startswith("train/") and not
+                  snapshot.kept_history(k))  # fmt: skip
+    with pytest.raises(ReportError, match=f"keeps only the latest value of '{unkept}'"):
+        client.get_metric_history(run_id, unkept)
+    with pytest.raises(ReportError, match="holds no artifact 'config.yaml'"):
+        client.download_artifacts(run_id, "config.yaml", str(tmp_path))
+    out = ["--out", str(tmp_path / "x.md")]
+    capsys.readouterr()
+    assert report.main(["--snapshot", str(snap), "--tracking-uri", store["uri"], *out]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sage-report: --snapshot reads a file, not a store: drop --tracking-uri"
+    )
+    absent = tmp_path / "absent.json.gz"
+    assert report.main(["--snapshot", str(absent), *out]) == 2
+    assert capsys.readouterr().err.strip() == f"sage-report: --snapshot {absent}: no such file"
+    assert not (tmp_path / "x.md").exists()
