@@ -5,8 +5,9 @@ report must rebuild without rerunning the study. ``export`` writes what ``sage-r
 experiment's runs, and nothing else, to one gzipped JSON file:
 
 - each run's info, tags, params and the latest value of each metric (every table reads these);
-- the histories of the metrics the report draws as curves (``HISTORY``: pass@k curves, periodic pass@1,
-  training reward and gradient norm, the anchor's entropy buckets), not every training metric's;
+- the histories of the metrics the report draws as curves or averages over steps (``HISTORY``: pass@k
+  curves, periodic pass@1, training reward and gradient norm, the anchor's entropy buckets) and the guide's
+  activity (``train/guide/*``), not every training metric's;
 - the evaluation artifacts the report reads (``ARTIFACT``): the correctness matrices, packed to one bit
   per sample, the per-sample perplexities and the problem ids.
 
@@ -35,14 +36,20 @@ from analysis import load
 from analysis.load import ReportError
 
 FORMAT = 1
-# metrics whose every logged value the report reads (load.curve_frame, periodic_frame, bucket_frame,
-# history_frame's callers); of the others only the latest value is kept
-HISTORY = (load.CURVE_KEY, load.PERIODIC_KEY, load.BUCKET_KEY)
+# metrics whose every logged value the report reads (load.curve_frame, periodic_frame, bucket_frame for the
+# report's bucket statistics, history_frame's callers), and the guide's activity during training
+# (scripts/training_means.py); of the others only the latest value is kept
+HISTORY = (load.CURVE_KEY, load.PERIODIC_KEY, re.compile(r"^train/guide/"))
 HISTORY_NAMES = ("train/grad_norm", "train/reward")
 ARTIFACT = re.compile(r"^eval/[^/]+/[^/]+_(?P<kind>correct\.npz|perplexity\.json|problems\.json)$")
 
 
 def kept_history(key: str) -> bool:
+    from analysis.report import BUCKET_TABLES  # report imports this module
+
+    bucket = load.BUCKET_KEY.match(key)
+    if bucket:
+        return bucket["stat"] in {stat for stat, _ in BUCKET_TABLES}
     return key in HISTORY_NAMES or any(k.match(key) for k in HISTORY)
 
 
@@ -229,7 +236,7 @@ class SnapshotClient:
             if key in self._runs[run_id].data.metrics:
                 raise ReportError(
                     f"the snapshot {self.path} keeps only the latest value of {key!r} (run {run_id}); its "
-                    f"histories: {', '.join(HISTORY_NAMES)}, pass@k curves, periodic pass@1, anchor buckets"
+                    f"histories: {', '.join(HISTORY_NAMES)}, train/guide/*, curves, periodic pass@1, buckets"
                 )
             return []  # never logged: as MLflow answers
         return list(self._history[run_id][key])

@@ -631,3 +631,29 @@ def test_a_snapshot_rebuilds_the_same_tables_and_figures_without_the_store(store
     assert report.main(["--snapshot", str(absent), *out]) == 2
     assert capsys.readouterr().err.strip() == f"sage-report: --snapshot {absent}: no such file"
     assert not (tmp_path / "x.md").exists()
+
+
+@pytest.mark.slow
+def test_training_means_read_the_same_from_a_snapshot_as_from_the_store(store, tmp_path, capsys):
+    """scripts/training_means.py: a guide's activity during training, per row (each run's mean over its
+    logged steps, then over seeds), the same figures from the committed snapshot as from the store."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import training_means
+
+    snap = tmp_path / "report.json.gz"
+    assert report_main(store, capsys, "--experiment", "report", "--export", str(snap))[0] == 0
+    capsys.readouterr()
+    keys = ["--experiment", "report", "--key", "train/guide/active_frac", "--key", "train/reward"]
+    assert training_means.main([store["uri"], *keys]) == 0
+    from_store = capsys.readouterr().out
+    assert training_means.main([str(snap), *keys]) == 0
+    assert capsys.readouterr().out == from_store
+    branch = [line for line in from_store.splitlines() if line.startswith(f"  {BRANCH}:")]
+    run_means = [np.mean(history(store, n, "train/guide/active_frac")) for n in ("b0", "b1")]
+    assert branch[0].startswith(
+        f"  {BRANCH}: {np.mean(run_means):.4f} (SD {np.std(run_means, ddof=1):.4f}), 2 runs"
+    )
+    assert training_means.main([str(snap), "--experiment", "report", "--key", "train/nope"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "training_means: --key train/nope: no finished sage-train run of 'report' logged it"
+    )
