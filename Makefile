@@ -134,6 +134,8 @@ FORK_CONTROL_DATA = $(RESULTS)/data/fork_control.json
 FORK_TIME = $(RESULTS)/data/fork_time.md
 SAGE_TRAIN = $(REPRO_ENV) $(VENV)/bin/sage-train
 SAGE_REPORT = $(REPRO_ENV) $(VENV)/bin/sage-report --k 256 --extra-k 64
+# the same report from committed data files (--snapshot): no store
+SAGE_REPORT_DATA = $(VENV)/bin/sage-report --k 256 --extra-k 64
 # `$(call assembled_at,<target>)`: the provenance sentence of an assembled report (the commit, and whether the
 # tree had uncommitted changes), shared by reproduce-report and reproduce-fork-report. The results folder is
 # left out of the check: the study and the assembly itself write there, so it is never clean after a run.
@@ -257,7 +259,7 @@ reproduce-fork-report:  ## docs/results/testbed.md from the fork study's committ
 	  echo "with \`$(FORK_PRIMARY)\` (the primary) and \`$(FORK_CONTROL)\` (its positive control)."; \
 	  echo; echo '```'; $(POSITIVE_CONTROL) --data $(FORK_PRIMARY_DATA) --seeds 0 && echo && \
 	  $(POSITIVE_CONTROL) --data $(FORK_CONTROL_DATA) --seeds 0 && echo '```' ) > $(RESULTS)/testbed_fork_primary.md
-	$(VENV)/bin/sage-report --snapshot $(FORK_SNAPSHOT) --k 256 --extra-k 64 $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
+	$(SAGE_REPORT_DATA) --snapshot $(FORK_SNAPSHOT) $(FORK_REPORT) --include $(RESULTS)/testbed_fork_primary.md --include $(RESULTS)/testbed_fork_base.md \
 	  $(addprefix --include ,$(wildcard $(RESULTS)/fork_reading.md)) --include $(RESULTS)/testbed_fork_timings.md \
 	  --out $(RESULTS)/testbed.md
 

@@ -194,16 +194,30 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
         "experiment: base,grpo,grpo_nokl,grpo_random,grpo_branch,grpo_fork,grpo_strong_kl,grpo_fork_rare"
         in (REPO / "conf" / "hparams_search" / "fork.yaml").read_text()
     )  # the positive control is a row of the study
+    # the study's data files, written from its store and sweep folder, from which testbed.md is assembled
+    data = results / "data"
+    (export,) = [ln for ln in lines if f"--export {data}" in ln]
+    assert f"--experiment testbed-fork --export {data}/fork_study.json.gz" in export
+    assert "MLFLOW_TRACKING_URI=sqlite:///" in export
+    arms = {
+        "primary": "--method grpo_branch --reference grpo",
+        "control": "--method grpo_fork_rare --reference grpo",
+    }
+    for name, arm in arms.items():
+        (save,) = [ln for ln in lines if f"--save-data {data}/fork_{name}.json" in ln]
+        assert f"scripts/positive_control.py {repro}/fork {arm} --seeds 0" in save, save
     (assemble,) = [ln for ln in lines if f"--out {results}/testbed.md" in ln]
-    assert f"--include {results}/testbed_fork_base.md" in assemble and "--experiment testbed-fork" in assemble
+    assert f"--snapshot {data}/fork_study.json.gz" in assemble and "--experiment testbed-fork" in assemble
+    assert "MLFLOW_TRACKING_URI" not in assemble and "--tracking-uri" not in assemble
+    assert f"--include {results}/testbed_fork_base.md" in assemble
     assert f"--include {results}/testbed_fork_primary.md" in assemble
     (primary,) = [ln for ln in lines if f"> {results}/testbed_fork_primary.md" in ln]
-    for arms in ("--method grpo_branch --reference grpo", "--method grpo_fork_rare --reference grpo"):
-        assert f"scripts/positive_control.py {repro}/fork {arms} --seeds 0" in primary, primary
+    for name in arms:
+        assert f"scripts/positive_control.py --data {data}/fork_{name}.json --seeds 0" in primary, primary
 
     # the provenance alone (sage-report replaced by `true`): the commit and each grid's command as it ran
-    repro.mkdir()
-    (repro / "time_fork.md").write_text("| Fork world | 3 min |\n")
+    data.mkdir(parents=True)
+    (data / "fork_time.md").write_text("| Fork world | 3 min |\n")
     r = subprocess.run(
         [
             "make",
@@ -212,7 +226,7 @@ def test_reproduce_testbed_runs_the_fork_study_then_assembles_testbed_md(tmp_pat
             str(REPO),
             "reproduce-fork-report",
             *where,
-            "SAGE_REPORT=true",
+            "SAGE_REPORT_DATA=true",
             "POSITIVE_CONTROL=true",
         ]
     )
