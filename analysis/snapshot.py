@@ -9,7 +9,8 @@ experiment's runs, and nothing else, to one gzipped JSON file:
   curves, periodic pass@1, training reward and gradient norm, the anchor's entropy buckets) and the guide's
   activity (``train/guide/*``), not every training metric's;
 - the evaluation artifacts the report reads (``ARTIFACT``): the correctness matrices, packed to one bit
-  per sample, the per-sample perplexities and the problem ids.
+  per sample, the per-sample perplexities and the problem ids, each distinct file once (every run of a
+  study evaluates the same base model).
 
 ``SnapshotClient`` answers the read-only part of ``MlflowClient`` that ``analysis`` calls from that file,
 with MLflow's own entities and its own in-memory filter, sort and paging (``SearchUtils``, as MLflow's file
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -69,9 +71,9 @@ def _unpack(packed: Sequence[dict]) -> list[np.ndarray]:
     return out
 
 
-def _artifacts(client, run_id: str, tmp: Path) -> dict[str, object]:
+def _artifacts(client, run_id: str, tmp: Path) -> dict[str, dict]:
     """The run's evaluation artifacts that the report reads: path -> packed matrices or parsed JSON."""
-    found: dict[str, object] = {}
+    found: dict[str, dict] = {}
     labels = [a.path for a in client.list_artifacts(run_id, "eval") if a.is_dir]
     for label_dir in labels:
         for a in client.list_artifacts(run_id, label_dir):
@@ -102,19 +104,24 @@ def export(client, source: str, experiment: str, out: Path) -> dict[str, int]:
     runs = load.fetch_runs(client, experiment)
     if not runs:
         raise ReportError(f"--export: experiment(s) {experiment!r} hold no runs in {load.redact(source)}")
-    records, points, artifacts = [], 0, 0
+    records, points, blobs = [], 0, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in sorted(runs, key=lambda r: r.info.run_id):
             run_id = r.info.run_id
             latest = dict(r.data.metrics)
-            history = {
-                key: sorted([m.step, m.value, m.timestamp] for m in client.get_metric_history(run_id, key))
-                for key in latest
-                if kept_history(key)
-            }
-            files = _artifacts(client, run_id, Path(tmp) / run_id)
+            # each history in MLflow's order of (step, time); the times themselves are not kept
+            history = {}
+            for key in filter(kept_history, latest):
+                logged = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+                history[key] = [[m.step, m.value] for m in logged]
+            files = {}
+            # an artifact is stored once however many runs logged it: every run of a study evaluates the same
+            # base model on the same problems and seeds
+            for name, entry in _artifacts(client, run_id, Path(tmp) / run_id).items():
+                digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
+                blobs[digest] = entry
+                files[name] = digest
             points += sum(len(h) for h in history.values())
-            artifacts += len(files)
             info = r.info
             records.append(
                 {
@@ -140,6 +147,7 @@ def export(client, source: str, experiment: str, out: Path) -> dict[str, int]:
         "source": load.redact(source),
         "experiments": experiments,
         "runs": records,
+        "artifacts": dict(sorted(blobs.items())),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # keys in the store's order, not sorted: a table's columns follow the order its metrics were logged in
@@ -148,7 +156,7 @@ def export(client, source: str, experiment: str, out: Path) -> dict[str, int]:
     with open(partial, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
         gz.write(data)
     os.replace(partial, out)
-    return {"runs": len(records), "points": points, "artifacts": artifacts}
+    return {"runs": len(records), "points": points, "artifacts": len(blobs)}
 
 
 class SnapshotClient:
@@ -194,10 +202,13 @@ class SnapshotClient:
                 tags=[RunTag(k, v) for k, v in rec["tags"].items()],
             )
             self._runs[run_id] = Run(info, data)
+            # the stored order stands for the logging times: a later point of one step stays the later one
             self._history[run_id] = {
-                k: [Metric(k, v, t, s) for s, v, t in points] for k, points in rec["history"].items()
+                k: [Metric(k, v, t, s) for t, (s, v) in enumerate(points)]
+                for k, points in rec["history"].items()
             }
-            self._artifacts[run_id] = rec["artifacts"]
+            blobs = doc["artifacts"]
+            self._artifacts[run_id] = {name: blobs[digest] for name, digest in rec["artifacts"].items()}
 
     # experiments
     def search_experiments(self, *args, **kwargs) -> list:
