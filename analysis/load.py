@@ -411,6 +411,12 @@ def curve_frame(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 BUCKET_KEY = re.compile(r"^train/anchor_buckets/(?P<bucket>[^/]+)/(?P<stat>[^/]+)$")
+# the bucket statistics sage-report tabulates ("Where the anchor acted"), with their tables' titles
+BUCKET_TABLES = (
+    ("anchor_grad_share", "the anchor's share of the per-token gradient signal by token-entropy bucket, mean "
+     "over the logged training steps"),
+    ("q", "the guide's mean q by token-entropy bucket, mean over the logged training steps"),
+)  # fmt: skip
 
 
 def bucket_frame(client, runs: pd.DataFrame, stats: Sequence[str]) -> pd.DataFrame:

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import bootstrap, figures, load, moved, snapshot, tables
-from analysis.load import ReportError
+from analysis.load import BUCKET_TABLES, ReportError
 from analysis.tables import SEED_FRAME, Diff, Table
 from sage.metrics import metric_name
 from sage.parent_runs import DRIVER_TAG, PARENT_KIND, REPORT_TAG, STUDY_TAG, SWEEP_TAG
@@ -44,11 +44,6 @@ from sage.train.untrained import UNTRAINED_TAG
 
 SOURCES = ["row", "seed", "run_id", "label"]
 # the training log's anchor_buckets/<bucket>/<stat> (sage.objective.buckets) the report tabulates
-BUCKET_TABLES = (
-    ("anchor_grad_share", "the anchor's share of the per-token gradient signal by token-entropy bucket, mean "
-     "over the logged training steps"),
-    ("q", "the guide's mean q by token-entropy bucket, mean over the logged training steps"),
-)  # fmt: skip
 BUCKET_TEXT = (
     "Buckets: each step's token-entropy quintiles (q1 lowest) and the tokens above 1.2 nats (the Branch "
     "guide's default threshold). The anchor's share is the sum of |anchor signal| over the bucket's tokens "

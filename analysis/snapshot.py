@@ -47,11 +47,9 @@ ARTIFACT = re.compile(r"^eval/[^/]+/[^/]+_(?P<kind>correct\.npz|perplexity\.json
 
 
 def kept_history(key: str) -> bool:
-    from analysis.report import BUCKET_TABLES  # report imports this module
-
     bucket = load.BUCKET_KEY.match(key)
     if bucket:
-        return bucket["stat"] in {stat for stat, _ in BUCKET_TABLES}
+        return bucket["stat"] in {stat for stat, _ in load.BUCKET_TABLES}
     return key in HISTORY_NAMES or any(k.match(key) for k in HISTORY)
 
 
