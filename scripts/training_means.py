@@ -37,7 +37,7 @@ def means(client, experiment: str, keys: Sequence[str]) -> list[str]:
         per_run = history.groupby("run_id")["value"].agg(["mean", "count"]).join(runs.set_index("run_id"))
         lines.append(f"{key}: each run's mean over its logged steps, then mean (SD) over the row's seeds")
         for row, group in per_run.groupby("row", sort=False):
-            seeds = ",".join(str(s) for s in sorted(group["seed"]))
+            seeds = ",".join(str(int(s)) for s in sorted(group["seed"]))
             steps = "/".join(str(c) for c in sorted(set(group["count"])))
             sd = group["mean"].std(ddof=1) if len(group) > 1 else float("nan")
             lines.append(
