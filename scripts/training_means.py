@@ -23,7 +23,7 @@ from analysis import load  # noqa: E402
 from analysis.load import ReportError  # noqa: E402
 
 
-def means(client, experiment: str, keys: Sequence[str]) -> list[str]:
+def means(client, experiment: str, keys: Sequence[str], by_seed: bool = False) -> list[str]:
     runs = load.runs_frame(load.fetch_runs(client, experiment))
     runs = runs[(runs["kind"] == "train") & (runs["status"] == "FINISHED")]
     runs = runs.assign(
@@ -44,6 +44,10 @@ def means(client, experiment: str, keys: Sequence[str]) -> list[str]:
                 f"  {row}: {group['mean'].mean():.4f} (SD {sd:.4f}), {len(group)} runs (seeds {seeds}), "
                 f"{steps} steps each"
             )
+            if by_seed:
+                ordered = group.sort_values("seed")
+                pairs = zip(ordered["seed"], ordered["mean"], strict=True)
+                lines.append("    by seed: " + ", ".join(f"{int(seed)}: {m:.4f}" for seed, m in pairs))
     return lines
 
 
@@ -54,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--experiment", required=True)
     ap.add_argument("--key", action="append", required=True, help="a training metric (repeatable)")
+    ap.add_argument("--by-seed", action="store_true", help="also each run's mean, by seed")
     args = ap.parse_args(argv)
     try:
         if args.source.endswith(".json.gz"):
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = SnapshotClient(Path(args.source))
         else:
             client, _ = load.open_store(args.source)
-        print("\n".join(means(client, args.experiment, args.key)))
+        print("\n".join(means(client, args.experiment, args.key, args.by_seed)))
     except ReportError as e:
         print(f"training_means: {e}", file=sys.stderr)
         return 2

@@ -653,6 +653,11 @@ def test_training_means_read_the_same_from_a_snapshot_as_from_the_store(store, t
     assert branch[0].startswith(
         f"  {BRANCH}: {np.mean(run_means):.4f} (SD {np.std(run_means, ddof=1):.4f}), 2 runs"
     )
+    assert training_means.main([str(snap), *keys, "--by-seed"]) == 0
+    by_seed = capsys.readouterr().out.splitlines()
+    assert by_seed[by_seed.index(next(x for x in by_seed if x.startswith(f"  {BRANCH}:"))) + 1] == (
+        f"    by seed: 0: {run_means[0]:.4f}, 1: {run_means[1]:.4f}"
+    )
     assert training_means.main([str(snap), "--experiment", "report", "--key", "train/nope"]) == 2
     assert capsys.readouterr().err.strip() == (
         "training_means: --key train/nope: no finished sage-train run of 'report' logged it"
