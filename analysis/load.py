@@ -479,8 +479,11 @@ def correctness(client, run_id: str, label: str, dataset: str, dst: Path) -> lis
     """The boolean (problems x samples) correctness matrices of every evaluation seed (in seed order) that
     ``Tracker.log_eval`` logged for ``label`` on ``dataset``, or None."""
     path = logged_artifact(client, run_id, label, f"{label}_{dataset}_correct.npz", dst)
-    if path is None:
-        return None
+    return None if path is None else correctness_file(path)
+
+
+def correctness_file(path: Path) -> list[np.ndarray]:
+    """The matrices of a ``<label>_<dataset>_correct.npz`` file, in evaluation-seed order."""
     with np.load(path) as npz:
         # savez names positional arrays arr_0, arr_1, ...: numeric order, not the archive's
         keys = sorted(npz.files, key=lambda f: int(f.removeprefix("arr_")))

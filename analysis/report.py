@@ -43,7 +43,7 @@ from sage.train.figures import BUCKETS
 from sage.train.untrained import UNTRAINED_TAG
 
 SOURCES = ["row", "seed", "run_id", "label"]
-# the training log's anchor_buckets/<bucket>/<stat> (sage.objective.buckets) the report tabulates
+# below the tables of the training log's anchor_buckets/<bucket>/<stat> (load.BUCKET_TABLES)
 BUCKET_TEXT = (
     "Buckets: each step's token-entropy quintiles (q1 lowest) and the tokens above 1.2 nats (the Branch "
     "guide's default threshold). The anchor's share is the sum of |anchor signal| over the bucket's tokens "

@@ -55,7 +55,7 @@ def kept_history(key: str) -> bool:
 
 def _pack(matrices: Sequence[np.ndarray]) -> list[dict]:
     return [
-        {"shape": list(m.shape), "bits": base64.b64encode(np.packbits(m.astype(bool), axis=None)).decode()}
+        {"shape": list(m.shape), "bits": base64.b64encode(np.packbits(m, axis=None)).decode()}
         for m in matrices
     ]
 
@@ -80,9 +80,7 @@ def _artifacts(client, run_id: str, tmp: Path) -> dict[str, dict]:
                 continue
             local = Path(client.download_artifacts(run_id, a.path, str(tmp)))
             if m["kind"] == "correct.npz":
-                with np.load(local) as npz:
-                    keys = sorted(npz.files, key=lambda f: int(f.removeprefix("arr_")))
-                    found[a.path] = {"matrices": _pack([npz[k] for k in keys])}
+                found[a.path] = {"matrices": _pack(load.correctness_file(local))}
             else:
                 found[a.path] = {"json": json.loads(local.read_text())}
     return found
@@ -150,7 +148,8 @@ def export(client, source: str, experiment: str, out: Path) -> dict[str, int]:
     out.parent.mkdir(parents=True, exist_ok=True)
     # keys in the store's order, not sorted: a table's columns follow the order its metrics were logged in
     data = json.dumps(doc, separators=(",", ":")).encode()
-    partial = out.with_name(out.name + ".partial")
+    # a partial file of this process's own: two exports to one path leave one whole file, the last
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     with open(partial, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
         gz.write(data)
     os.replace(partial, out)

@@ -26,9 +26,8 @@ from analysis.load import ReportError  # noqa: E402
 def means(client, experiment: str, keys: Sequence[str], by_seed: bool = False) -> list[str]:
     runs = load.runs_frame(load.fetch_runs(client, experiment))
     runs = runs[(runs["kind"] == "train") & (runs["status"] == "FINISHED")]
-    runs = runs.assign(
-        row=load.assign_rows(runs)
-    )  # the report's rows: a method split by what its runs differ in
+    # the report's rows: a method split by what its runs differ in
+    runs = runs.assign(row=load.assign_rows(runs))
     lines = []
     for key in keys:
         history = load.history_frame(client, list(runs["run_id"]), key)
