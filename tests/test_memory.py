@@ -233,13 +233,13 @@ def test_full_finetuning_of_the_3b_model_does_not_fit_at_the_default_vllm_share(
     """The issue's figures: 83 GiB on one GPU (a float32 reference, not bf16) and 95 GiB under torchrun (the
     DDP buckets); both exit 1 and say which vLLM share fits."""
     code, out, _ = plan(capsys, "model=qwen2.5-3b-instruct", *FULL)
-    assert code == 1 and "memory estimate per GPU: 83.5 GiB of 80.0 GiB, DOES NOT FIT" in out, out
+    assert code == 1 and "memory estimate per GPU: 83.5 GiB of 80.0 GiB in training, DOES NOT FIT" in out, out
     assert "reference 11.5" in out and "ddp_buckets 0.0" in out
     assert "fix: trl.vllm_gpu_memory_utilization=0.45 is the largest share" in out
     code, out, _ = plan(
         capsys, "model=qwen2.5-3b-instruct", *FULL, "processes=8", "trl.gradient_accumulation_steps=8"
     )
-    assert code == 1 and "memory estimate per GPU: 94.9 GiB of 80.0 GiB, DOES NOT FIT" in out, out
+    assert code == 1 and "memory estimate per GPU: 94.9 GiB of 80.0 GiB in training, DOES NOT FIT" in out, out
     assert "ddp_buckets 11.5" in out and "fix: trl.vllm_gpu_memory_utilization=0.30 " in out
 
 
@@ -278,9 +278,14 @@ def test_each_paper_model_fits_an_80_gib_gpu(capsys, model, completion, processe
     assert (
         "(8 prompts x 8 generations)" in lines[1] and f"(1024 prompt + {completion} completion)" in lines[1]
     )
-    assert "of 80.0 GiB, fits" in lines[2]
+    assert "of 80.0 GiB in training, fits" in lines[2]
     assert lines[3].startswith("vllm: trl.vllm_gpu_memory_utilization=")
-    assert lines[4].startswith("completions: training 64,000 (1000 steps x 8 prompts x 8 generations)")
+    # the end-of-run evaluation engine starts once training has released the policy
+    assert "GiB of 80.0 GiB, the engine starts" in lines[4] and lines[4].startswith(
+        "memory estimate per GPU at"
+    )
+    assert lines[5].startswith("eval vllm: eval.vllm_gpu_memory_utilization=0.9 gives 72.0 GiB")
+    assert lines[6].startswith("completions: training 64,000 (1000 steps x 8 prompts x 8 generations)")
 
 
 def test_the_rl_step_on_n_processes_is_the_presets_or_said_in_one_line():
@@ -442,6 +447,111 @@ def test_a_micro_batch_that_does_not_fit_exits_1(capsys):
     )
     assert code == 1
     assert "DOES NOT FIT" in out
+
+
+def test_the_evaluation_phase_by_hand():
+    """What stays on a GPU after training (two CUDA contexts, NCCL's buffers beside other processes) plus
+    the evaluation engine's share, and what the share holds, against bytes computed by hand for SMALL:
+    161,728 parameters (3 layers x (4,096 + 1,024 + 1,024 + 4,096 + 3 x 10,240 + 128) + 2 x 300 x 64 + 64),
+    a rank-8 adapter on every projection of 3 x 8 x (128 + 80 + 80 + 128 + 3 x 224) = 26,112 parameters, and
+    2 x 3 layers x 16 x 2 bytes = 192 bytes of KV cache per token in bfloat16."""
+    from sage.train.evaluation_memory import (
+        EvalEngine,
+        describe_evaluation,
+        engine_starts,
+        evaluation_estimate,
+        largest_share,
+    )
+
+    engine = EvalEngine(
+        share=0.5, dtype="bfloat16", lora_rank=8, prompt_tokens=10, completion_tokens=30, samples=8
+    )
+    parts = evaluation_estimate(SMALL, engine, processes=2, gpu_gib=10)
+    assert parts["left"] == {"cuda_context": 1.0, "nccl": 2.0, "engine_context": 1.0, "engine_nccl": 0.0}
+    assert parts["share"] == 5 and parts["total"] == 9  # 1 + 2 + 1 left, 0.5 x 10 asked
+    assert parts["weights"] * GIB == 2 * 161_728 and parts["adapter"] * GIB == 2 * 26_112
+    assert parts["tokens"] == (5 * GIB - 2 * 161_728 - 2 * 26_112) // 192 == 27_960_070
+    assert parts["sequences"] == 27_960_070 // 40 and engine_starts(parts)
+    assert describe_evaluation(parts, engine)[1].endswith("each problem's 8 samples fit at once)")
+    alone = evaluation_estimate(SMALL, engine, processes=1, gpu_gib=10)
+    assert alone["left"]["nccl"] == 0 and alone["total"] == 7  # one process: no communicator
+    # over two GPUs: half the weights and of the KV heads on each, and the engine's own communicator
+    split = evaluation_estimate(
+        SMALL, EvalEngine(**{**engine.__dict__, "tensor_parallel": 2}), processes=1, gpu_gib=10
+    )
+    assert split["weights"] * GIB == 161_728 and split["kv_per_token"] * GIB == 96
+    assert split["left"]["engine_nccl"] == 2.0
+    # 0.7 x 10 = 7 GiB beside the 4 left: not free, so vLLM refuses; 0.6 is the most that is
+    big = EvalEngine(**{**engine.__dict__, "share": 0.7})
+    parts = evaluation_estimate(SMALL, big, processes=2, gpu_gib=10)
+    assert not engine_starts(parts) and largest_share(parts) == 0.6
+    assert describe_evaluation(parts, big) == [
+        "memory estimate per GPU at evaluation: 11.0 GiB of 10.0 GiB, DOES NOT START (left in use after "
+        "training releases the policy, its optimiser and its engine: cuda_context 1.0, nccl 2.0, "
+        "engine_context 1.0; eval_vllm 7.0)",
+        "evaluation: the engine cannot start: eval.vllm_gpu_memory_utilization=0.7 asks 7.0 GiB of the "
+        "GPU's 10.0 GiB, and 4.0 GiB stay in use after training: set eval.vllm_gpu_memory_utilization to at "
+        "most 0.60",
+    ]
+
+
+def test_the_7b_paper_plan_prints_its_evaluation_phase(capsys):
+    """After training, the evaluation engine asks 0.9 x 80 = 72 GiB beside 2 GiB of CUDA contexts on one
+    process (74.0), and NCCL's 2 more on 8 (76.0); its share holds the 14.2 GiB of weights, the 0.04 of the
+    rank-8 adapter's buffers and 57.8 of KV cache, more than the 256 samples of a problem at 3,072 tokens
+    need (256 x 3,072 x 56 KiB = 42 GiB)."""
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER)
+    assert code == 0, out
+    assert (
+        "memory estimate per GPU at evaluation: 74.0 GiB of 80.0 GiB, the engine starts (left in use after "
+        "training releases the policy, its optimiser and its engine: cuda_context 1.0, nccl 0.0, "
+        "engine_context 1.0; eval_vllm 72.0)" in out
+    ), out
+    line = next(x for x in out.splitlines() if x.startswith("eval vllm:"))
+    assert line.startswith(
+        "eval vllm: eval.vllm_gpu_memory_utilization=0.9 gives 72.0 GiB = weights 14.2 + adapter 0.0 + KV "
+        "cache 57.8 ("
+    ), line
+    assert "(1024 prompt + 2048 completion) at once; each problem's 256 samples fit at once)" in line
+    code, out, _ = plan(
+        capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
+    )
+    assert code == 0 and "at evaluation: 76.0 GiB of 80.0 GiB, the engine starts" in out, out
+    assert "cuda_context 1.0, nccl 2.0, engine_context 1.0; eval_vllm 72.0)" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, why, fix",
+    [
+        # 0.96 x 80 = 76.8 GiB beside 4 left on 8 processes; (80 - 4) / 80 = 0.95 is free
+        (
+            ("processes=8", "trl.gradient_accumulation_steps=8", "eval.vllm_gpu_memory_utilization=0.96"),
+            "eval.vllm_gpu_memory_utilization=0.96 asks 76.8 GiB of the GPU's 80.0 GiB, and 4.0 GiB stay in "
+            "use after training",
+            "set eval.vllm_gpu_memory_utilization to at most 0.95",
+        ),
+        # 0.17 x 80 = 13.6 GiB < 14.2 of weights; (14.18 + 0.04 + 3,072 x 56 KiB = 0.16) / 80 = 0.1798
+        (
+            ("eval.vllm_gpu_memory_utilization=0.17",),
+            "eval.vllm_gpu_memory_utilization=0.17 gives 13.6 GiB, which cannot hold its 14.2 GiB of weights",
+            "set eval.vllm_gpu_memory_utilization to at least 0.18",
+        ),
+    ],
+    ids=["not free beside training", "share below its weights"],
+)
+def test_an_evaluation_engine_that_cannot_start_exits_1_in_one_line(capsys, overrides, why, fix):
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, *overrides)
+    assert code == 1, out
+    assert "of 80.0 GiB in training, fits" in out  # the training phase alone would fit
+    refusals = [x for x in out.splitlines() if x.startswith("evaluation: the engine cannot start: ")]
+    assert len(refusals) == 1 and why in refusals[0] and refusals[0].endswith(fix), out
+
+
+def test_without_an_evaluation_engine_the_phase_says_so(capsys):
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "eval.at_end=false")
+    assert code == 0 and "memory at evaluation: no evaluation engine (eval.at_end=false)" in out, out
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "eval.backend=hf")
+    assert code == 0 and "memory at evaluation: not estimated (eval.backend=hf: " in out, out
 
 
 def test_a_vllm_share_below_its_weights_does_not_fit(capsys):

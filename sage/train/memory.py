@@ -32,7 +32,11 @@ The estimate is an upper-bound style sum, not a measurement (no GPU is lent to t
 resident (weights, trainable state, the reference, DDP's gradient buckets, vLLM's share under colocation)
 plus the working set of one micro-batch (checkpointed layer inputs, one layer's activations when it is
 recomputed, the logits of the completion tokens with their gradient). Each term is named so a user can
-check it against ``torch.cuda.max_memory_allocated`` on a real run.
+check it against ``torch.cuda.max_memory_allocated`` on a real run. The evaluation phase follows
+(``sage.train.evaluation_memory``): what stays on each GPU once training has released the policy, its
+optimiser and its engine (CUDA contexts, NCCL's buffers), beside the end-of-run evaluation engine's share
+(``eval.vllm_gpu_memory_utilization``), and what that share holds; a job whose evaluation engine cannot
+start does not fit (exit 1), in one line naming the share that would start it.
 
 Warnings (the job still runs, but a cluster makes it fail or corrupt records):
 - a SQLite MLflow store written from several nodes (a grid of more than one SLURM job, or a job over
@@ -229,7 +233,11 @@ def estimate(
 def describe_estimate(parts: dict[str, float]) -> str:
     terms = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k not in ("total", "gpu"))
     verdict = "fits" if parts["total"] <= parts["gpu"] else "DOES NOT FIT"
-    return f"memory estimate per GPU: {parts['total']:.1f} GiB of {parts['gpu']:.1f} GiB, {verdict} ({terms})"
+    # "in training": the plan's evaluation phase (sage.train.evaluation_memory) has a line of its own
+    return (
+        f"memory estimate per GPU: {parts['total']:.1f} GiB of {parts['gpu']:.1f} GiB in training, {verdict} "
+        f"({terms})"
+    )
 
 
 def vllm_room(arch: Architecture, batch: Batch, share_gib: float, dtype: str) -> dict[str, float]:
@@ -758,6 +766,24 @@ class JobPlan:
     sft_build: list[str]  # the line with the command that builds the job's SFT stage first; [] without one
 
 
+def evaluation_phase(
+    cfg, arch: Architecture, gpu_gib: float, prompt_tokens: int, processes: int
+) -> tuple[list[str], bool]:
+    """The plan's evaluation lines (``sage.train.evaluation_memory``) and whether its engine starts."""
+    from sage.train.evaluation_memory import (
+        describe_evaluation,
+        engine_starts,
+        eval_engine,
+        evaluation_estimate,
+    )
+
+    engine, why_none = eval_engine(cfg, prompt_tokens)
+    if engine is None:
+        return [f"memory at evaluation: {why_none}"], True
+    parts = evaluation_estimate(arch, engine, processes=processes, gpu_gib=gpu_gib)
+    return describe_evaluation(parts, engine), engine_starts(parts)
+
+
 def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int, problems) -> JobPlan:
     from omegaconf import OmegaConf
 
@@ -782,6 +808,9 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
                     f"the rest; vLLM then holds {smaller['sequences']} sequences of the longest length at "
                     "once"
                 )
+        lines_eval, starts = evaluation_phase(cfg, arch, gpu_gib, prompt_tokens, processes)
+        lines += lines_eval
+        fits = fits and starts
     else:
         lines += [
             f"memory: not estimated (model.source is {cfg.model.source._target_}, not a hub or local model "
