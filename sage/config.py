@@ -287,6 +287,19 @@ class TrackingConfig:
 
 
 @dataclass
+class GradingConfig:
+    """How completions are graded, in training rewards and every evaluation alike (sage.grading)."""
+
+    max_answer_chars: int = field(
+        default=1000,
+        metadata={
+            "help": "longest final answer given to the grader (sympy), unless twice its gold answer is "
+            "longer (sage.data.verifiers.answer_limit); a longer answer scores 0"
+        },
+    )
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: Any = MISSING
@@ -308,6 +321,7 @@ class TrainConfig:
         },
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    grading: GradingConfig = field(default_factory=GradingConfig)
     method: str | None = field(
         default=None, metadata={"help": "method label for reports (set by the experiment/ presets)"}
     )
@@ -441,8 +455,17 @@ def validate(cfg: DictConfig) -> None:
         check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     resume_mode(cfg.resume)
     check_tracking(cfg.tracking)
+    check_grading(cfg.grading)
     check_callbacks(cfg)
     check_optimisers(cfg)
+
+
+def check_grading(grading: DictConfig) -> None:
+    if grading.max_answer_chars < 1:
+        raise ConfigError(
+            f"grading.max_answer_chars must be >= 1 (got {grading.max_answer_chars}): the longest answer "
+            "graded, where twice the gold answer is shorter (default 1000)"
+        )
 
 
 def check_tracking(tracking: DictConfig) -> None:

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import resource
 import signal
+import sys
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -28,6 +29,7 @@ from sage.data.verifiers import (
     GRADE_TIMEOUT_S,
     MAX_ANSWER_CHARS,
     VERIFIERS,
+    answer_limit,
     extract_answer,
     grade_answer,
 )
@@ -63,10 +65,17 @@ class GradingPool:
         *,
         max_tasks: int = 10_000,
         memory_bytes: int = WORKER_MEMORY_BYTES,
+        max_answer_chars: int = MAX_ANSWER_CHARS,
     ) -> None:
-        if workers < 1 or timeout_s <= 0:
-            raise ValueError(f"need workers >= 1 and timeout_s > 0; got {workers}, {timeout_s}")
+        if workers < 1 or timeout_s <= 0 or max_answer_chars < 1:
+            raise ValueError(
+                f"need workers >= 1, timeout_s > 0 and max_answer_chars >= 1; "
+                f"got {workers}, {timeout_s}, {max_answer_chars}"
+            )
         self.timeout_s = timeout_s
+        self.max_answer_chars = (
+            max_answer_chars  # grading.max_answer_chars (sage.data.verifiers.answer_limit)
+        )
         self._options = {
             "max_workers": workers,
             "max_tasks": max_tasks,
@@ -112,7 +121,7 @@ class GradingPool:
         positions: list[int | None] = []
         for completion, gold, verifier in zip(completions, golds, verifiers, strict=True):
             answer = _safe_extract(completion)
-            if answer is None or len(answer) > MAX_ANSWER_CHARS:
+            if answer is None or len(answer) > answer_limit(str(gold), self.max_answer_chars):
                 positions.append(None)
                 continue
             positions.append(item_index.setdefault((answer, str(gold), verifier), len(item_index)))
@@ -129,7 +138,11 @@ class GradingPool:
                     i: self._pool.schedule(
                         grade_answer,
                         args=items[i][:2],
-                        kwargs={"verifier": items[i][2], "timeout_s": self.timeout_s},
+                        kwargs={
+                            "verifier": items[i][2],
+                            "timeout_s": self.timeout_s,
+                            "max_chars": self.max_answer_chars,
+                        },
                         timeout=self.timeout_s + KILL_GRACE_S,
                     )
                     for i in pending
@@ -157,6 +170,40 @@ class GradingPool:
                 len(items),
             )
         return [float(s) for s in scores]
+
+
+def self_graded(golds: Sequence[str], verifiers: Sequence[str], pool: GradingPool) -> list[bool]:
+    """Whether each gold answer, written as a model would (``\\boxed{<gold>}``), grades correct against itself
+    through ``pool``: where it does not, no answer can score on its problem. A gold that fails is graded
+    once more, so that a call a busy machine pushed past its time limit is not taken for the grader's
+    verdict."""
+    completions = [f"\\boxed{{{gold}}}" for gold in golds]
+    scores = pool.grade_many(completions, golds, verifiers)
+    again = [i for i, score in enumerate(scores) if score != 1.0]
+    if again:
+        retried = pool.grade_many(
+            [completions[i] for i in again], [golds[i] for i in again], [verifiers[i] for i in again]
+        )
+        for i, score in zip(again, retried, strict=True):
+            scores[i] = score
+    return [score == 1.0 for score in scores]
+
+
+def grader_fingerprint() -> str:
+    """Changes whenever a grade could: the grading code (this module and ``sage.data.verifiers``) and the
+    versions of Math-Verify and sympy. Keys what is cached of a grader's verdicts (sage.data.benchmarks)."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from sage.data import verifiers
+    from sage.paths import content_key, file_digest
+
+    return content_key(
+        {
+            "code": [file_digest(Path(module.__file__)) for module in (verifiers, sys.modules[__name__])],
+            "packages": {name: version(name) for name in ("math-verify", "sympy")},
+        }
+    )
 
 
 class PoolReward:

@@ -187,3 +187,75 @@ def test_unreadable_knights_knaves_gold_fails_at_load_naming_the_row(tmp_path: P
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"{path}: row 2: field 'solution_text_format'") and "'(2) Ella lies'" in message
+
+
+# --- every gold answer grades correct against itself -----------------------------------------------------
+
+SHIPPED = {**SOURCES, "aime24": DATA_DIR / "aime24.jsonl", "aime25": DATA_DIR / "aime25.jsonl"}
+
+
+@pytest.mark.slow
+def test_every_shipped_gold_answer_grades_correct_against_itself_at_load_and_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56: loading grades each gold, boxed as a model would write it, through the grading pool; every
+    shipped benchmark loads (none of its 872 golds is unsolvable). A second load reads the verdicts from the
+    cache, keyed by the rows' content: no pool is started."""
+    import time
+
+    import sage.grading
+
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+    start = time.monotonic()
+    loaded = {name: load_benchmark(name, source) for name, source in SHIPPED.items()}
+    first = time.monotonic() - start
+    with capsys.disabled():
+        print(f"\n[golds] {sum(map(len, loaded.values()))} rows of {len(SHIPPED)} benchmarks: {first:.1f} s")
+    checks = list((tmp_path / "cache" / "gold_checks").glob("*.json"))
+    assert len(checks) == len(SHIPPED)
+    assert {json.loads(c.read_text())["ungradable"] == [] for c in checks} == {True}
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a cached benchmark was graded again")
+
+    monkeypatch.setattr(sage.grading, "GradingPool", no_pool)
+    assert {name: load_benchmark(name, source) for name, source in SHIPPED.items()} == loaded
+
+
+def test_a_gold_that_cannot_grade_correct_is_refused_naming_file_row_and_id(tmp_path: Path) -> None:
+    path = tmp_path / "math.jsonl"
+    rows = [{"unique_id": "fine", "problem": "p", "answer": "\\frac{1}{2}"}]
+    rows += [{"unique_id": f"bad{i}", "problem": "p", "answer": "x^{2"} for i in range(2)]  # unbalanced
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as error:
+        load_benchmark("math500", path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: row 2 (id 'bad0', gold 'x^{{2'); {path}: row 3 (id 'bad1', ")
+    assert "each of these 2 gold answers does not grade correct against itself" in message
+    assert message.endswith("correct the gold answer or remove the row")
+    with pytest.raises(ValueError, match="row 2 "):  # the verdict comes from the cache the same
+        load_benchmark("math500", path)
+    path.write_text(json.dumps(rows[0]) + "\n")  # the file corrected: its content is checked anew
+    assert [r["id"] for r in load_benchmark("math500", path)] == ["fine"]
+
+
+def test_a_gold_longer_than_the_answer_cap_is_solvable() -> None:
+    """Issue 56: answers were capped at 1,000 characters, so a 1,729-character matrix gold scored 0 for
+    its own text. The cap is now grading.max_answer_chars, or twice the gold where that is longer."""
+    from sage.data.verifiers import MAX_ANSWER_CHARS, answer_limit, grade
+
+    gold = (
+        "\\begin{pmatrix} "
+        + " \\\\ ".join(" & ".join(f"\\frac{{{7 * i + j}}}{{{j + 2}}}" for j in range(12)) for i in range(12))
+        + " \\end{pmatrix}"
+    )
+    assert len(gold) > MAX_ANSWER_CHARS
+    assert grade(f"\\boxed{{{gold}}}", gold, timeout_s=30) == 1.0
+    assert grade(f"\\boxed{{{gold.replace('frac', 'dfrac')}}}", gold, timeout_s=30) == 1.0
+    assert grade(f"\\boxed{{{gold}}}", gold, max_chars=10) == 1.0  # the cap never makes a gold unsolvable
+    short = "7"
+    assert answer_limit(short) == MAX_ANSWER_CHARS == 1000
+    padded = "7" + " " * 1000  # equivalent, but longer than the cap: not given to sympy
+    assert grade(f"\\boxed{{{padded}}}", short) == 0.0
+    assert grade(f"\\boxed{{{padded}}}", short, max_chars=2000) == 1.0

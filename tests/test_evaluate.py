@@ -864,3 +864,41 @@ def test_the_evaluation_engine_compiles_a_real_model_and_runs_a_testbed_model_ea
     assert sampling.compiles(checkpoint, None) and not sampling.compiles(checkpoint, False)
     hub = Checkpoint.resolve("Qwen/Qwen2.5-Math-7B")
     assert sampling.compiles(hub, None)
+
+
+def test_an_ungradable_gold_answer_is_one_line_before_any_run(tmp_path):
+    """Issue 56: a gold that cannot grade correct against itself made its problem a silent 0 for every
+    method. sage-eval refuses it, naming file, row and id, before a results folder or an MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    data = tmp_path / "math500.jsonl"
+    rows = [
+        {"unique_id": "ok", "problem": "1+1?", "answer": "2"},
+        {"unique_id": "x", "problem": "?", "answer": "{"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAGE_MATH_DATA": str(tmp_path)}
+    r = prefork.run(
+        [sys.executable, "-m", "sage.eval", "eval=math500", f"tracking.uri={store}", f"output_dir={out}"],
+        timeout=600,
+        env=env,
+    )
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert lines[-1].startswith(
+        f"error: sage.data.benchmarks.load_benchmark: {data}: row 2 (id 'x', gold '{{'): "
+    )
+    assert "does not grade correct against itself" in lines[-1]
+    assert not out.exists()
+    client = MlflowClient(store)
+    assert all(not client.search_runs([e.experiment_id]) for e in client.search_experiments())
+
+
+def test_the_answer_cap_is_a_checked_grading_setting(tmp_path):
+    r = sage_eval("grading.max_answer_chars=0", f"output_dir={tmp_path / 'out'}", check=False)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert lines[-1].startswith("error: grading.max_answer_chars must be >= 1 (got 0)")
+    assert not (tmp_path / "out").exists()

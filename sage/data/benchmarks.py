@@ -5,12 +5,15 @@ worked solution, a sentence); this module turns them all into the answer text th
 compares against, and names the rule it compares by (``verifier``: Math-Verify for the maths benchmarks,
 role assignments for Knights and Knaves), so the evaluator never needs to know where a problem came from.
 Every row is checked for its required fields before anything is converted, and a bad row fails with one
-line naming file, row and field rather than a KeyError deep inside an evaluation run.
+line naming file, row and field rather than a KeyError deep inside an evaluation run. Every gold answer is
+then graded against itself by the grader the rewards and evaluations use (`check_golds`): a problem on
+which no answer could score is refused by file and row, never counted as a silent 0 for every method.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sage.data.verifiers import DEFAULT_VERIFIER, knights_knaves_assignment, last_boxed_content
+
+log = logging.getLogger(__name__)
 
 Row = dict[str, str]
 PathOrId = str | os.PathLike[str]
@@ -321,7 +326,9 @@ def load_benchmark(
             row.where = f"{label}: row {number}"
             out.append(row)
     _check_unique_ids(name, out)
-    return out if limit is None else out[:limit]
+    out = out if limit is None else out[:limit]
+    check_golds(out)
+    return out
 
 
 def _source_tag(source: PathOrId) -> str:
@@ -336,3 +343,86 @@ def _check_unique_ids(name: str, rows: list[Row]) -> None:
         if row["id"] in seen:
             raise ValueError(f"benchmark {name!r}: duplicate id {row['id']!r}")
         seen.add(row["id"])
+
+
+GOLD_CHECKS = "gold_checks"
+"""Folder of the cache (under sage.paths.cache_dir) of which gold answers grade correct against themselves."""
+NAMED_ROWS = 10
+"""The ungradable rows a refusal names one by one; the rest are counted."""
+
+
+def check_golds(rows: list[Row]) -> None:
+    """Every row's gold answer, boxed as a model would write it, must grade correct against itself through
+    the grader (`sage.grading.self_graded`): where it does not, no method could ever score on the problem
+    and its pass@k would be a silent 0 for all. Such rows are refused, in one line naming each one's file,
+    row and id: a benchmark is graded as shipped or not at all, rather than quietly evaluated on fewer
+    problems than its name says.
+
+    The verdicts are cached under ``<cache>/gold_checks/`` by the content of the rows (id, gold, verifier)
+    and the grader's fingerprint (its code and Math-Verify's and sympy's versions), so a benchmark is graded
+    once per machine and grader, and any edit to a gold answer or to the grader grades it again."""
+    from sage.grading import GradingPool, grader_fingerprint, self_graded
+    from sage.paths import cache_dir, content_key
+
+    if not rows:
+        return
+    graded = [[row["id"], row["answer"], row.get("verifier", DEFAULT_VERIFIER)] for row in rows]
+    cache = (
+        cache_dir() / GOLD_CHECKS / f"{content_key({'rows': graded, 'grader': grader_fingerprint()})}.json"
+    )
+    try:
+        failed = json.loads(cache.read_text())["ungradable"]
+    except (OSError, ValueError, KeyError, TypeError):
+        # said before, not after: the first load of a large benchmark takes seconds
+        log.info(
+            "%s: grading each of its %d gold answers against itself (once: the verdicts are kept in %s)",
+            _where_from(rows),
+            len(rows),
+            cache.parent,
+        )
+        with GradingPool(workers=2) as pool:
+            ok = self_graded([g for _, g, _ in graded], [v for _, _, v in graded], pool)
+        failed = [row_id for (row_id, _, _), good in zip(graded, ok, strict=True) if not good]
+        _write_atomically(cache, json.dumps({"rows": len(rows), "ungradable": failed}))
+    if failed:
+        raise ValueError(_ungradable_line(rows, set(failed)))
+
+
+def _where_from(rows: list[Row]) -> str:
+    """The source(s) the rows were read from, for a log line: each `SourcedRow.where` without its row."""
+    labels = dict.fromkeys(getattr(row, "where", "").rsplit(": row ", 1)[0] for row in rows)
+    return ", ".join(label for label in labels if label) or "rows"
+
+
+def _ungradable_line(rows: list[Row], failed: set[str]) -> str:
+    """``<file>: row <n> (id, gold)[; ...]: gold answer(s) that do not grade ...``: every row named (the
+    first `NAMED_ROWS`, then a count), its file first."""
+    bad = [row for row in rows if row["id"] in failed]
+    named = [
+        f"{getattr(row, 'where', '') or 'row'} (id {row['id']!r}, gold {_short(row['answer'])!r})"
+        for row in bad
+    ]
+    more = f" and {len(named) - NAMED_ROWS} more" if len(named) > NAMED_ROWS else ""
+    verifiers = "/".join(sorted({row.get("verifier", DEFAULT_VERIFIER) for row in bad}))
+    what = "its gold answer does" if len(bad) == 1 else f"each of these {len(bad)} gold answers does"
+    return (
+        f"{'; '.join(named[:NAMED_ROWS])}{more}: {what} not grade correct against itself (\\boxed{{<gold>}} "
+        f"scores 0 under the {verifiers} verifier), so no answer could score on it; correct the gold answer "
+        "or remove the row"
+    )
+
+
+def _short(text: str, keep: int = 60) -> str:
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text)} characters)"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Written whole or not at all: another process loading the same benchmark may read it at any time. A
+    cache that cannot be written (a read-only home) only costs the check again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        partial.replace(path)
+    except OSError as error:
+        log.warning("could not cache the gold-answer check in %s: %s", path.parent, error)

@@ -2,9 +2,9 @@
 
 Grading runs sympy on model output, which is adversarial input: it can be malformed, huge, or a LaTeX
 "bomb" whose simplification never ends. So every entry point here returns a score and never raises,
-answers longer than ``MAX_ANSWER_CHARS`` are refused before sympy sees them, and each call is bounded in
-time: in the main thread by a SIGALRM deadline, across many calls by :class:`GradingPool`, whose worker
-processes are killed and replaced when they hang in code that signals cannot interrupt.
+answers longer than their limit (`answer_limit`) are refused before sympy sees them, and each call is
+bounded in time: in the main thread by a SIGALRM deadline, across many calls by :class:`GradingPool`, whose
+worker processes are killed and replaced when they hang in code that signals cannot interrupt.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from sage.data.prompts import SOLUTION_END, SOLUTION_START
 
 MAX_ANSWER_CHARS = 1000
+"""Default of ``grading.max_answer_chars``: the longest answer sympy is given, unless its gold is longer."""
 GRADE_TIMEOUT_S = 5.0
 
 # Both sides are wrapped in \boxed{} before parsing, so the boxed content is the only thing to extract:
@@ -214,14 +215,28 @@ def row_verifier(row: Mapping[str, Any]) -> str:
     return name
 
 
+def answer_limit(gold: str, max_chars: int = MAX_ANSWER_CHARS) -> int:
+    """The longest answer graded against ``gold``: ``max_chars``, or twice the gold's own length where that
+    is more. The cap keeps huge model output from sympy; it must never make a problem unsolvable, as a
+    fixed cap did for a 1,729-character matrix gold, and twice the gold leaves room for an equivalent answer
+    written more loosely (spaces, ``\\dfrac`` for ``\\frac``)."""
+    return max(max_chars, 2 * len(gold))
+
+
 def grade_answer(
-    answer: str | None, gold: str, *, verifier: str = DEFAULT_VERIFIER, timeout_s: float = GRADE_TIMEOUT_S
+    answer: str | None,
+    gold: str,
+    *,
+    verifier: str = DEFAULT_VERIFIER,
+    timeout_s: float = GRADE_TIMEOUT_S,
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> float:
     """1.0 if the extracted `answer` is equivalent to `gold` under `verifier` (a key of VERIFIERS), else
-    0.0 (also for a missing, oversized, unparseable or too-slow answer). Never raises for a bad answer, only
-    KeyboardInterrupt/SystemExit, and KeyError for an unknown verifier (a caller's bug, not model output)."""
+    0.0 (also for a missing, unparseable or too-slow answer, or one longer than `answer_limit`). Never raises
+    for a bad answer, only KeyboardInterrupt/SystemExit, and KeyError for an unknown verifier (a caller's
+    bug, not model output)."""
     equivalent = VERIFIERS[verifier]
-    if not answer or len(answer) > MAX_ANSWER_CHARS or not balanced_braces(answer):
+    if not answer or len(answer) > answer_limit(str(gold), max_chars) or not balanced_braces(answer):
         return 0.0
     try:
         return 1.0 if _call_with_deadline(lambda: equivalent(answer, str(gold)), timeout_s) else 0.0
@@ -230,11 +245,16 @@ def grade_answer(
 
 
 def grade(
-    completion: str, gold: str, *, verifier: str = DEFAULT_VERIFIER, timeout_s: float = GRADE_TIMEOUT_S
+    completion: str,
+    gold: str,
+    *,
+    verifier: str = DEFAULT_VERIFIER,
+    timeout_s: float = GRADE_TIMEOUT_S,
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> float:
     """Score one completion against its gold answer: 1.0 if equivalent, else 0.0. Never raises."""
     try:
         answer = extract_answer(completion)
     except Exception:
         return 0.0
-    return grade_answer(answer, gold, verifier=verifier, timeout_s=timeout_s)
+    return grade_answer(answer, gold, verifier=verifier, timeout_s=timeout_s, max_chars=max_chars)

@@ -30,10 +30,12 @@ from omegaconf import MISSING, DictConfig
 
 from sage.config import (
     EvalConfig,
+    GradingConfig,
     ModelConfig,
     TrackingConfig,
     check_backend,
     check_eval,
+    check_grading,
     check_tracking,
     exit_on_config_error,
     instantiate_node,
@@ -60,6 +62,7 @@ class EvaluateConfig:
         default=None, metadata={"help": "None: <checkpoint>/eval, or sage-train's base-model cache folder"}
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    grading: GradingConfig = field(default_factory=GradingConfig)
 
 
 def register_evaluate_configs() -> None:
@@ -75,11 +78,13 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     from sage.eval.analyses import log_analyses
     from sage.eval.checkpoint import Checkpoint, check_checkpoint_folder, check_prompt_format
     from sage.eval.evaluate import check_prompt_lengths, evaluate_model, format_table, load_eval_rows
+    from sage.grading import GradingPool
 
     # Everything that can be wrong with the settings, the store, the checkpoint folder, the output folder
     # or the data files fails here, before a results folder, an MLflow run or a model exists.
     check_eval(cfg.eval)
     check_tracking(cfg.tracking)
+    check_grading(cfg.grading)
     check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     check_store(cfg)
     if cfg.checkpoint is not None:
@@ -107,7 +112,8 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     # A checkpoint folder is held for reading until its results are written: an extension of its run that
     # moves it to final-step-N/ meanwhile waits (sage.run_folder.reading).
     held = reading(Path(model_path)) if cfg.checkpoint is not None else contextlib.nullcontext()
-    with held:
+    # the pool's workers start only if a cell is to be sampled (pebble starts them on first use)
+    with held, GradingPool(workers=2, max_answer_chars=cfg.grading.max_answer_chars) as pool:
         results_dir.mkdir(parents=True, exist_ok=True)
         # One MLflow run per (results folder, settings key): other settings are another run, so a run's
         # numbers are those of its settings; the same settings again continue their run and log only what is
@@ -123,6 +129,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                 max_new_tokens=max_new_tokens,
                 results_dir=results_dir,
                 dtype=sampling_dtype(cfg.model, cfg.eval),
+                pool=pool,
             )
             if tracker is not None:
                 logged = tracker.client.get_run(tracker.run_id).data.metrics
@@ -155,8 +162,10 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
 def settings_key(cfg: DictConfig, model_path: str, rows: dict[str, list[dict]], max_new_tokens: int) -> str:
     """A hash of everything the numbers of a sage-eval run depend on: the checkpoint's files, every
     dataset's rows (so ``eval.limit`` and the data files), the sampling settings, seeds, backend, dtype,
-    prompt format, the reported ks and the perplexity analysis settings. Not in it: what changes only the
-    speed (``eval.batch_size``) or the size of the artifacts (``tracking.completions_sample``)."""
+    prompt format, the reported ks, the perplexity analysis settings and the grading's answer cap. Not in
+    it: what changes only the speed (``eval.batch_size``) or the size of the artifacts
+    (``tracking.completions_sample``)."""
+    from sage.data.verifiers import MAX_ANSWER_CHARS
     from sage.eval.checkpoint import Checkpoint
 
     e = cfg.eval
@@ -175,6 +184,10 @@ def settings_key(cfg: DictConfig, model_path: str, rows: dict[str, list[dict]], 
             "ks": list(e.ks),
             "perplexity_base": e.perplexity_base,
             "perplexity_cap": e.perplexity_cap,
+            # the default left out, so that the runs made before the setting existed keep their keys
+            **(
+                {"max_answer_chars": cap} if (cap := cfg.grading.max_answer_chars) != MAX_ANSWER_CHARS else {}
+            ),
         }
     )
 

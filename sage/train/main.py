@@ -497,7 +497,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
     continuing = last is not None or final_step(out / "final") >= 0 or base_done
     # One MLflow run per run, however many processes train: the main process records, the others only train.
     run = start_run(cfg, out, kind="train", resume=continuing) if distributed.is_main() else nullcontext(None)
-    with run as tracker, GradingPool() as pool:
+    with run as tracker, GradingPool(max_answer_chars=cfg.grading.max_answer_chars) as pool:
         if tracker is not None:
             tracker.log_artifact(out / "config.yaml")
             tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
