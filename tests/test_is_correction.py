@@ -3,7 +3,9 @@
 the ratio comes from the loss pass's own log-probs. Against TRL's own path (its no-grad pass over every
 completion), on the same model, data and engine log-probs: the same logged ratio metrics and the same
 weights after two optimiser steps, in every importance-sampling mode, with one no-grad policy pass fewer per
-generation batch. Also the one-line warning when the first ratio starts away from 1.
+generation batch, and the same importance-weight figures (spread, tail, cut share, truncated mass). Also the
+one-line warnings: when the first ratio starts away from 1, and at any step when the weights spread past
+their bounds (sage.train.importance, on hand-computed cases).
 
 The engine is a stand-in (no vLLM): completions drawn from a seeded generator, with "engine" log-probs equal
 to the policy's own at the sampling temperature plus a seeded offset per token, so that ratios spread on both
@@ -21,6 +23,7 @@ from sage.objective.divergences import ReverseKL
 from sage.objective.guides import NoGuide
 from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
+from sage.train import importance
 from sage.train.callbacks import FirstRatioCheck
 from sage.train.trainer import SageGRPOTrainer, vllm_importance_ratio
 
@@ -143,6 +146,10 @@ KEYS = [
     "sampling/importance_sampling_ratio/max",
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
+    importance.SPREAD_KEY,
+    importance.TAIL_KEY,
+    importance.CUT_KEY,
+    importance.MASS_KEY,
 ]
 
 
@@ -168,6 +175,10 @@ def test_the_loss_pass_ratio_equals_trls_pass_with_one_pass_fewer(
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
     spread = [e[KEYS[2]] - e[KEYS[0]] for e in logged[1]]
     assert min(spread) > 0.05, "the stand-in's ratios do not spread: the comparison is void"
+    # offsets uniform in [-0.25, 0.25] over 10 tokens: per-sequence log-ratios of SD 0.25 / sqrt(3) * sqrt(10)
+    assert all(0.2 < e[importance.SPREAD_KEY] < 0.8 for e in logged[0]), logged[0]
+    # min_p 0.01 and top_p 0.9 at temperature 0.7 cut some mass of the tiny model's next-token distributions
+    assert all(0.0 < e[importance.MASS_KEY] < 0.5 for e in logged[0]), logged[0]
     for (name, p), q in zip(ours.model.named_parameters(), theirs.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     start = build_state(model_path)
@@ -214,3 +225,98 @@ def test_a_first_ratio_away_from_one_is_one_warning_line(caplog, ratio, warned):
     assert len(lines) == (1 if warned else 0), lines
     if warned:
         assert f"{ratio:.3f}" in lines[0] and "\n" not in lines[0]
+
+
+def test_the_weight_figures_by_hand():
+    """weight_sums / weight_figures on a hand-computed batch. Per-sequence log-ratios (masked sums of
+    logps - sampling, a NaN engine log-prob adding 0): [0.5 + 0.5 + 0, 0 - 0.3, (no token), -0.9 + 0 + 0]
+    = [1.0, -0.3, -0.9], the empty sequence left out. Mean -0.0667, E[x^2] = 1.9 / 3 = 0.63333, variance
+    0.63333 - 0.00444 = 0.62889, SD 0.79303; |x| > log 2 for 1.0 and -0.9: tail 2/3."""
+    logps = torch.tensor([[-1.0, -1.0, -2.0], [-0.5, -0.8, -0.5], [-1.0, -1.0, -1.0], [-2.0, -1.0, -1.0]])
+    sampling = torch.tensor(
+        [[-1.5, -1.5, float("nan")], [-0.5, -0.5, -9.0], [0.0, 0.0, 0.0], [-1.1, -1.0, -1.0]]
+    )
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    torch.testing.assert_close(
+        importance.sequence_log_ratios(logps, sampling, mask), torch.tensor([1.0, -0.3, 0.0, -0.9])
+    )
+
+    def figures(mode, clip_min, clip_max):
+        return importance.weight_figures(
+            importance.weight_sums(logps, sampling, mask, mode, clip_min, clip_max)
+        )
+
+    f = figures("sequence_mask", None, 3.0)  # log 3 = 1.0986: no sequence above
+    assert f[importance.SPREAD_KEY] == pytest.approx(0.79303, abs=1e-5)
+    assert f[importance.TAIL_KEY] == pytest.approx(2 / 3)
+    assert f[importance.CUT_KEY] == 0.0
+    # a lower bound 0.5 (log -0.693) cuts the sequence at -0.9: 1 of 3
+    assert figures("sequence_truncate", 0.5, 3.0)[importance.CUT_KEY] == pytest.approx(1 / 3)
+    # token level, bounds [0.85, 1.15] (logs -0.163, 0.140): of the 8 tokens that count (the NaN one at 0),
+    # 0.5, 0.5, -0.3 and -0.9 are outside
+    assert figures("token_mask", 0.85, 1.15)[importance.CUT_KEY] == pytest.approx(0.5)
+    # micro-batches add up: the two halves' sums give the whole batch's figures
+    halves = sum(
+        importance.weight_sums(logps[i], sampling[i], mask[i], "sequence_mask", None, 3.0)
+        for i in (slice(0, 2), slice(2, 4))
+    )
+    assert importance.weight_figures(halves) == pytest.approx(f)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        importance.weight_sums(logps, sampling, mask, "tokens", None, None)
+
+
+@pytest.mark.parametrize(
+    "spread,cut,mode,named",
+    [
+        (0.79, 0.0, "sequence_mask", ["standard deviation is 0.790 (bound 0.5)"]),
+        (0.2, 0.08, "sequence_mask", ["sequence_mask masked 8.0% of the sequences (bound 5%)"]),
+        (0.6, 0.3, "token_truncate", ["0.600", "token_truncate clipped 30.0% of the tokens"]),
+        (0.5, 0.05, "sequence_mask", None),  # at the bounds: no warning
+        (0.1, 0.0, "sequence_mask", None),
+    ],
+)
+def test_weights_past_their_bounds_are_one_warning_line_at_any_step(spread, cut, mode, named):
+    figures = {importance.SPREAD_KEY: spread, importance.TAIL_KEY: 0.0, importance.CUT_KEY: cut}
+    line = importance.weight_warning(figures, mode, step=37)
+    if named is None:
+        assert line is None
+        return
+    assert line.startswith("step 37: ") and "\n" not in line
+    for part in named:
+        assert part in line, line
+
+
+def test_the_computed_figures_of_a_spread_batch_warn():
+    """From tensors to the line: log-ratios of +-0.8 per sequence (SD 0.8) under sequence_mask cap 2 (log
+    0.693): every sequence is masked, both bounds are passed."""
+    logps = torch.zeros(4, 2)
+    sampling = torch.tensor([[-0.4, -0.4], [0.4, 0.4], [-0.4, -0.4], [0.4, 0.4]])
+    sums = importance.weight_sums(logps, sampling, torch.ones(4, 2), "sequence_mask", None, 2.0)
+    figures = importance.weight_figures(sums)
+    assert figures[importance.SPREAD_KEY] == pytest.approx(0.8)
+    assert figures[importance.CUT_KEY] == pytest.approx(0.5)  # the two at +0.8 > log 2
+    line = importance.weight_warning(figures, "sequence_mask", step=1)
+    assert "0.800" in line and "50.0% of the sequences" in line
+
+
+def test_the_truncated_mass_by_hand():
+    """Probabilities [0.5, 0.3, 0.15, 0.04, 0.01] (logits their logs). min_p 0.1 keeps p >= 0.05: removes
+    0.05; min_p 0.01 (threshold 0.005) removes nothing; top_k 2 removes 0.2; top_p 0.7 keeps 0.5 and 0.3
+    (the mass before 0.15 is 0.8 >= 0.7): removes 0.2; top_p 0.9 keeps 0.15 too (0.8 < 0.9): removes 0.05.
+    min_p 0.4 (threshold 0.2) then top_p 0.6 on the renormalised [0.625, 0.375]: keeps 0.5 only, removes
+    0.5. Nothing set: 0."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.04, 0.01]])
+    logits = probs.log() + 3.0  # any shift: the softmax is the same
+    for keys, removed in [
+        ((0.1, 1.0, 0), 0.05),
+        ((0.01, 1.0, 0), 0.0),
+        ((0.0, 1.0, 2), 0.2),
+        ((0.0, 0.7, 0), 0.2),
+        ((0.0, 0.9, None), 0.05),
+        ((0.4, 0.6, 0), 0.5),
+        ((None, None, None), 0.0),
+    ]:
+        mass = importance.truncation_mass(logits, *keys)
+        assert mass.shape == (1,)
+        assert mass.item() == pytest.approx(removed, abs=1e-6), keys
+        assert importance.truncation_active(*keys) == (removed > 0 or keys[0] == 0.01)

@@ -54,10 +54,15 @@ all SAGE variants), ``divergence`` (the shaped term actually optimised, before b
 ``guide/q_min``, ``guide/q_max``, ``guide/active_frac`` (share of completion tokens with q != 1) and the
 guide's current hyperparameters; with a model of the testbed's fork world, ``guide/q_fork`` and
 ``guide/active_frac_fork``, the same at the tokens that choose a strategy (passed to the guide as ``fork``).
+Also, in training: the mass the sampler's truncation removed at the loss's tokens and, with a vLLM rollout,
+the importance weights' spread and cut share, with a one-line warning past their bounds
+(``sage.train.importance``). The truncated mass is measured through a forward hook on the policy's backbone
+in the loss pass (TRL's fused head never holds the full logits).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -69,7 +74,10 @@ from trl import GRPOTrainer
 from sage.objective.aggregation import aggregate, informative_groups, total_rewards
 from sage.objective.divergences import k3
 from sage.testbed.task import FORK_MARKERS
+from sage.train import importance
 from sage.train.weight_sync import sync_out_of_place
+
+log = logging.getLogger(__name__)
 
 
 def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
@@ -149,6 +157,8 @@ class SageGRPOTrainer(GRPOTrainer):
         )
         self._loss_inputs: dict | None = None  # the micro-batch whose loss is being computed
         self._ratio_stats: torch.Tensor | None = None  # the deferred ratio's metrics over a generation batch
+        self._weight_sums: torch.Tensor | None = None  # importance.weight_sums over a generation batch
+        self._truncated: torch.Tensor | None = None  # (B, T) mass truncation removed, of the loss pass
         if getattr(kwargs.get("args"), "use_vllm", False):
             # TRL's colocated engine (rollout=vllm_merged) on the V1 model runner, whose sampler
             # use_tempered_logprobs patches below (sage.vllm_engine.build_llm does the same for its engines)
@@ -216,6 +226,9 @@ class SageGRPOTrainer(GRPOTrainer):
                 self.vllm_importance_sampling_correction = True
         if training:
             self._generated_at = self.state.global_step
+        if training and self.use_vllm and self.vllm_importance_sampling_correction and not defer:
+            mask = out["completion_mask"] * out.get("tool_mask", 1)
+            self._log_weights(self._weight_sums_of(out["old_per_token_logps"], out, mask))
         if not self.filter_zero_variance_groups:
             return out
         group_size = self.num_generations if training else self.num_generations_eval
@@ -318,14 +331,64 @@ class SageGRPOTrainer(GRPOTrainer):
     def _get_output_dir(self, trial):
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
-    def _get_per_token_logps_and_entropies(self, *args, compute_entropy: bool = False, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(*args, compute_entropy=compute_entropy, **kwargs)
-        if compute_entropy:  # only the loss pass asks for entropies; keep it for the guide and divergence
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, compute_entropy: bool = False, **kwargs
+    ):
+        # only the loss pass asks for entropies; in training it also measures what truncation removed
+        watch = compute_entropy and self.model.training
+        masses: list[torch.Tensor] = []
+        hook = None
+        if watch and importance.truncation_active(self.min_p, self.top_p, self.top_k):
+            from accelerate.utils import is_peft_model
+
+            causal = self.accelerator.unwrap_model(model)
+            causal = causal.get_base_model() if is_peft_model(causal) else causal
+            keys = (self.temperature, self.min_p, self.top_p, self.top_k)
+            hook = importance.watch_truncation(causal, logits_to_keep, *keys, masses=masses)
+        try:
+            out = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                *args,
+                compute_entropy=compute_entropy,
+                **kwargs,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        if watch:
+            self._truncated = torch.cat(masses) if masses else torch.zeros_like(out[0])
+        if compute_entropy:  # keep the loss pass for the guide and divergence
             self._loss_pass = (out[0], out[1])
             inputs = self._loss_inputs
             if inputs is not None and "importance_sampling_ratio" not in inputs:
                 self._deferred_ratio(out[0].detach(), inputs)
         return out
+
+    def _weight_sums_of(self, logps: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+        return importance.weight_sums(
+            logps,
+            inputs["sampling_per_token_logps"],
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+
+    def _log_weights(self, sums: torch.Tensor) -> None:
+        """Log a generation batch's importance-weight figures (every process's ``sums`` added), and warn in
+        one line when they pass their bounds (``sage.train.importance``)."""
+        every = self.accelerator.gather(sums.unsqueeze(0)).view(-1, sums.numel()).sum(dim=0)
+        figures = importance.weight_figures(every)
+        for key, value in figures.items():
+            self._metrics["train"][key].append(value)
+        line = importance.weight_warning(
+            figures, self.vllm_importance_sampling_mode, self.state.global_step + 1
+        )
+        if line is not None and self.accelerator.is_main_process:
+            log.warning(line)
 
     def _deferred_ratio(self, logps: torch.Tensor, inputs: dict) -> None:
         """The correction's ratio of a micro-batch whose generation batch skipped TRL's log-prob pass, from
@@ -343,6 +406,8 @@ class SageGRPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_clip_max,
         )
         inputs["importance_sampling_ratio"] = ratio
+        sums = self._weight_sums_of(logps, inputs, mask)
+        self._weight_sums = sums if self._weight_sums is None else self._weight_sums + sums
         # TRL logs these once per generation batch: accumulated over its micro-batches, logged at the last
         valid = mask.bool()
         delta = (logps - sampling).abs()[valid & ~torch.isnan(sampling)]
@@ -376,6 +441,8 @@ class SageGRPOTrainer(GRPOTrainer):
         if self._batch_id is not None and self._batch_id[1] < self.args.steps_per_generation - 1:
             return
         self._ratio_stats = None
+        sums, self._weight_sums = self._weight_sums, None
+        self._log_weights(sums)
         every = self.accelerator.gather(acc.unsqueeze(0)).view(-1, acc.numel())  # (processes, 7)
         m = self._metrics["train"]
         m["sampling/sampling_logp_difference/mean"].append(
@@ -404,6 +471,9 @@ class SageGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        truncated, self._truncated = self._truncated, None
+        if truncated is not None:  # the loss's tokens: what the anchor term is estimated on
+            self._metrics["train"][importance.MASS_KEY].append(self._masked_mean(truncated, mask))
         ref_logps = inputs.get("ref_per_token_logps")  # (B, T); absent when divergence=none
         # The micro-batch's identity (see _prepare_inputs); a loss computed outside TRL's input pipeline is
         # micro-batch 0 of the current step. Steps are optimiser steps: the schedule must not run faster
