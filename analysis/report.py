@@ -534,6 +534,7 @@ def difference_table(
         f"{tables.MARKER} its interval excludes 0; {tables.HOLM} it also survives Holm's correction for the "
         f"{family} at {1 - bootstrap.LEVEL:.0%} family-wise"
     )
+    table.notes.append(bootstrap.METHOD)  # which interval: every report names it (issue 58)
     mdes = [
         f"{col} {np.median(m):.3f}"
         for j, col in enumerate(columns_text)

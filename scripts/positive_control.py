@@ -18,7 +18,8 @@ estimated two ways from the pilot:
   power is the share of studies whose interval excludes 0 on the side of the pilot's effect;
 - by the normal approximation: Phi(|d| / se - c), with se^2 the pilot's variance parts rescaled to ``--seeds``
   seeds (seed parts divided by the seeds, the problem part as is) and c the interval's own Cochran-Cox
-  critical value at 7 and P - 1 degrees of freedom.
+  critical value (the seed part on ``bootstrap.seed_df(seeds)`` degrees of freedom, the problem part on
+  P - 1).
 
 Both take the pilot's effect and seed SDs as true, which a pilot of a few seeds measures roughly: the script
 also prints the power with each arm's seed variance at its one-sided 80% upper chi-square bound.
@@ -426,7 +427,7 @@ def normal_power(method: np.ndarray, reference: np.ndarray, *, seeds: int) -> tu
     # the problem part is the true gain's spread over problems: difference() removes the sampling noise
     # from the per-problem spread, so in expectation that is what it keeps, whatever the seeds
     parts = [sum(n.run_var for n in sides) / seeds, interaction_var(method, reference) / problems]
-    crit = bootstrap.critical(parts, [seeds - 1, problems - 1], 1 - bootstrap.LEVEL)
+    crit = bootstrap.critical(parts, [bootstrap.seed_df(seeds), problems - 1], 1 - bootstrap.LEVEL)
     se = math.sqrt(sum(parts))
     d = abs(float(method.mean() - reference.mean()))
     return float(special.ndtr(d / se - crit) + special.ndtr(-d / se - crit)), se, crit
@@ -568,6 +569,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
                 f"[{iv.lo:.4f}, {iv.hi:.4f}], p = {iv.p:.3g}"
                 + (f", detectable at 80% power {iv.mde:.4f}" if mde else "")
             )
+    print(f"\n{bootstrap.METHOD}")
 
     if args.seeds == 0:
         return 0

@@ -102,8 +102,10 @@ def test_power_is_the_level_without_an_effect_and_near_one_with_a_large_one():
     null_m = null_m - null_m.mean() + null_r.mean()
     size = pc.simulate_power(null_m, null_r, seeds=8, samples=256, sims=400, rng=rng)
     assert size <= 0.10  # the interval's two-sided 5% and one side of it
-    power_n, _, _ = pc.normal_power(null_m, null_r, seeds=8)
-    assert power_n == pytest.approx(0.05, abs=0.03)
+    power_n, _, crit = pc.normal_power(null_m, null_r, seeds=8)
+    # the interval's critical value, its seed part on seed_df(8) = 2.5 df (issue 58): below 5% under normal
+    # seed effects, the price of holding its level under skewed ones
+    assert crit > 2.36 and 0 < power_n <= 0.05
     big_m, big_r = pilot(rng, 0.02)
     assert pc.simulate_power(big_m, big_r, seeds=8, samples=256, sims=200, rng=rng) >= 0.95
     assert pc.normal_power(big_m, big_r, seeds=8)[0] >= 0.95
@@ -226,6 +228,7 @@ def test_the_default_output_has_no_new_parts(tmp_path, capsys):
     assert pc.main([str(study(tmp_path)), "--seeds", "0"]) == 0
     out = capsys.readouterr().out
     assert "per-pair interval (analysis/bootstrap.py difference):\n" in out
+    assert f"\n{bootstrap.METHOD}\n" in out  # the interval's method, under the differences
     assert "detectable" not in out and "paired" not in out and out.count(" minus ") == 1
 
 
