@@ -1,5 +1,5 @@
 """sage's submitit launchers (``hydra/launcher=local|slurm``, options in conf/hydra/launcher/): their schemas
-and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with five changes:
+and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with seven changes:
 
 - A job that fails (exception, ``scancel``, SIGKILL, node failure) comes back as a FAILED ``JobReturn``
   instead of an exception that discards the other jobs' results: a grid still fails at the end (Hydra's
@@ -12,6 +12,11 @@ and hydra-submitit-launcher's ``submitit_local`` / ``submitit_slurm`` with five 
   (submitit's own polling backs off to 10 minutes), so a job killed outright is reported failed promptly.
 - The SLURM launcher warns at submission, a line each, about a SQLite MLflow store several jobs or nodes
   write and about a folder every job must see on a node-local filesystem (``submission_warnings``).
+- An SFT stage the grid's jobs need and the cache lacks runs first, as one job of its own sized to its
+  batch (``sage.train.sft.sft_stages``); the jobs that start from it wait for it (SLURM: ``afterok``;
+  locally: in order), and if it fails they never run and the grid ends in one line.
+- The driver says how the grid goes as it goes: a line when a job starts (on SLURM, with its node) and one
+  when it ends (its state, wall time and trained pass@1).
 
 Registered for Hydra by hydra_plugins/sage_launchers (Hydra only instantiates plugins from that package).
 """
@@ -30,6 +35,8 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import OmegaConf
+
+from sage.train.sft import SFTStage, sft_stages
 
 log = logging.getLogger(__name__)
 # this machine's mounts, whose filesystem types say which folders the jobs' nodes share
@@ -79,13 +86,54 @@ def submission_warnings(config, jobs: int, mounts: str | None = None) -> list[st
     return cluster_warnings(view, config.hydra.launcher, jobs, mounts)
 
 
+def stage_line(stage: SFTStage, job_id: str, processes: int) -> str:
+    """The driver's line when it submits an SFT job."""
+    size = f"{stage.processes} process(es)" + (
+        f" (its batch cannot use the jobs' {processes})" if stage.processes < processes else ""
+    )
+    return (
+        f"sft: job {job_id} builds the SFT stage of {stage.model} on {size}; "
+        f"{len(stage.dependents)} job(s) start after it succeeds"
+    )
+
+
+def failed_line(stage: SFTStage, job_id: str, why: str, log_path: str) -> str:
+    """The one line of a grid whose SFT job failed (its dependents never ran)."""
+    return (
+        f"the SFT job {job_id} ({stage.model}) failed: {why}; its {len(stage.dependents)} dependent job(s) "
+        f"did not run (its log: {log_path})"
+    )
+
+
 def failed_return(job, job_num: int, overrides: list[str], error: Exception) -> JobReturn:
     """A FAILED JobReturn whose ``return_value`` raises a one-line error naming the job."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return failed(overrides, f"job #{job_num} (submitit id {job.job_id}) failed: {lines[0]}")
+
+
+def failed(overrides: list[str], line: str) -> JobReturn:
+    """A FAILED JobReturn whose ``return_value`` raises ``line`` as the grid's one-line end
+    (``sage.hydra_errors.GridFailed``)."""
+    from sage.hydra_errors import GridFailed
+
     ret = JobReturn(overrides=overrides, status=JobStatus.FAILED)
-    ret.return_value = RuntimeError(
-        f"job #{job_num} (submitit id {job.job_id}) failed: {str(error).strip().splitlines()[0]}"
-    )
+    ret.return_value = GridFailed(line)
     return ret
+
+
+def wall(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
+
+
+def trained_pass_at_1(ret: JobReturn) -> str:
+    """``, pass@1 <dataset> <value>`` for each dataset a finished job evaluated its trained model on."""
+    value = ret._return_value if ret.status == JobStatus.COMPLETED else None
+    if not isinstance(value, dict):
+        return ""
+    prefix = "pass_at_1/trained/"
+    shown = [f"{k[len(prefix) :]} {float(v):.3f}" for k, v in sorted(value.items()) if k.startswith(prefix)]
+    return f", pass@1 {', '.join(shown)}" if shown else ""
 
 
 class _SageSubmitit:
@@ -116,27 +164,46 @@ class _SageSubmitit:
 
         keys = name_keys(job_overrides)
         params = []
+        self.labels = []
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
+            shown = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in keys]
+            self.labels.append(f"#{idx}" + (f" [{' '.join(shown)}]" if shown else ""))
             overrides = with_grid(with_resume_auto(list(overrides)), keys, parent_id)
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             params.append((overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         return params
 
-    def _executor(self):
-        """submitit's executor with the launcher's parameters (as hydra-submitit-launcher builds it)."""
+    def _stage_params(self, stage: SFTStage, job_num: int) -> tuple:
+        """The call arguments of an SFT job (sage.train.sft.sft_stages); numbered after the grid's jobs."""
+        return (stage.overrides, "hydra.sweep.dir", job_num, f"job_id_for_{job_num}", Singleton.get_state())
+
+    def _plan_stages(self, job_overrides) -> list[SFTStage]:
+        """The SFT stages the grid's jobs need and the cache lacks, each job composed as it will run."""
+        from sage.train.memory import processes_per_job
+
+        def compose(overrides: list[str]):
+            return self.hydra_context.config_loader.load_sweep_config(self.config, overrides)  # type: ignore
+
+        processes = processes_per_job(self.config.hydra.launcher, None)  # type: ignore[attr-defined]
+        return sft_stages(compose, job_overrides, processes)
+
+    def _executor(self, **changes: Any):
+        """submitit's executor with the launcher's parameters (as hydra-submitit-launcher builds it), with
+        ``changes`` to them (an SFT job's size, a dependency)."""
         import submitit
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
-        init = {"folder": self.params["submitit_folder"]}  # type: ignore[attr-defined]
-        if "max_num_timeout" in self.params:  # type: ignore[attr-defined]
-            init[f"{self._EXECUTOR}_max_num_timeout"] = self.params["max_num_timeout"]  # type: ignore
+        params = {**self.params, **changes}  # type: ignore[attr-defined]
+        init = {"folder": params["submitit_folder"]}
+        if "max_num_timeout" in params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params["max_num_timeout"]  # type: ignore
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)  # type: ignore[attr-defined]
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(
             **{
                 k if k in base else f"{self._EXECUTOR}_{k}": v  # type: ignore[attr-defined]
-                for k, v in self.params.items()  # type: ignore[attr-defined]
+                for k, v in params.items()
                 if k not in {"submitit_folder", "max_num_timeout"}
             }
         )
@@ -157,6 +224,9 @@ class _SageSubmitit:
             # named by what the grid compares, so the MLflow UI lists grids by content, not by time
             name = compared(grid_jobs(sweep_dir, job_overrides)) or f"grid-{sweep_dir.name}"
             self.parent_id = open_parent(tracking, grid_key(sweep_dir), name=name)
+        self.stages = self._plan_stages(job_overrides)
+        self.first_stage_num = initial_job_idx + len(job_overrides)
+        self.started: dict[int, float] = {}  # job index -> when the driver saw it start
         return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
 
     def _finish(self, results: list[JobReturn]) -> list[JobReturn]:
@@ -177,14 +247,83 @@ class _SageSubmitit:
             log.error("job #%d (%s %s) failed: %s", job_num, job.job_id, " ".join(overrides), str(e)[-2000:])
             return failed_return(job, job_num, overrides, e)
 
+    def _note_start(self, i: int, job, label: str) -> None:
+        """Say once that a job has started: on SLURM when the scheduler reports it running, with its node."""
+        if i in self.started:
+            return
+        if self._EXECUTOR == "slurm":  # type: ignore[attr-defined]
+            if job.state not in ("RUNNING", "COMPLETING", "COMPLETED"):
+                return
+            node = job.get_info().get("NodeList")
+            where = f" on {node}" if node and node != "None assigned" else ""
+        else:
+            where = ""
+        self.started[i] = time.monotonic()
+        log.info(f"{label} started{where} (submitit id {job.job_id})")
+
+    def _ended(self, i: int, label: str, ret: JobReturn) -> None:
+        """The line of a job that has ended: its state, its wall time since it started, its pass@1."""
+        took = f" after {wall(time.monotonic() - self.started[i])}" if i in self.started else ""
+        log.info(f"{label} {ret.status.name}{took}{trained_pass_at_1(ret)}")
+
     def _collect(self, jobs: dict[int, Any], params: list[tuple], results: dict[int, JobReturn], force: bool):
-        """Move the finished ones of ``jobs`` (index -> submitit job) into ``results``. ``force``: the first
-        check asks the scheduler now (one call covers every job submitit watches), the others read that."""
+        """Move the finished ones of ``jobs`` (index -> submitit job) into ``results``, a line each.
+        ``force``: the first check asks the scheduler now (one call covers every job submitit watches), the
+        others read that."""
         for i, job in list(jobs.items()):
-            if job.done(force_check=force):
-                results[i] = self._result(job, params[i][2], params[i][0])
-                del jobs[i]
+            done = job.done(force_check=force)
             force = False
+            if not done:  # a job first seen finished gets no start line, and no wall time
+                self._note_start(i, job, self.labels[i])
+            else:
+                results[i] = self._result(job, params[i][2], params[i][0])
+                self._ended(i, self.labels[i], results[i])
+                del jobs[i]
+
+    @staticmethod
+    def _stage_outcome(job) -> str | None:
+        """None if the SFT job succeeded, else why it failed in one line: sage-train's own ``error:`` line
+        from the job's log where it wrote one (a refusal or a failed stage), else the failure's last line."""
+        try:
+            ret = job.results()[0]
+            if ret.status == JobStatus.COMPLETED:
+                return None
+            why = str(ret._return_value) if ret._return_value is not None else ret.status.name
+        except Exception as e:  # killed, cancelled, or the job's process exited
+            why = str(e) or type(e).__name__
+        try:
+            said = [ln for ln in Path(job.paths.stderr).read_text(errors="replace").splitlines() if ln]
+        except OSError:
+            said = []
+        errors = [ln.removeprefix("error: ") for ln in said if ln.startswith("error: ")]
+        lines = errors or [ln for ln in why.strip().splitlines() if ln.strip()] or ["no reason given"]
+        return lines[-1].strip()[:300]
+
+    def _watch_stages(
+        self, stage_jobs: dict[int, Any], waiting: dict[int, Any], results: dict[int, JobReturn], force: bool
+    ) -> None:
+        """Check the running SFT jobs (index into ``self.stages`` -> submitit job). A finished one is said in
+        a line; a failed one ends its dependents unrun (cancelled where submitted: ``waiting``), each a
+        FAILED result carrying the one line."""
+        for k, job in list(stage_jobs.items()):
+            if not job.done(force_check=force):
+                continue
+            force = False
+            del stage_jobs[k]
+            stage = self.stages[k]
+            why = self._stage_outcome(job)
+            if why is None:
+                log.info(
+                    f"sft: job {job.job_id} built the SFT stage of {stage.model}; its jobs start from it"
+                )
+                continue
+            line = failed_line(stage, job.job_id, why, str(job.paths.stderr))
+            log.error(line)
+            for i in stage.dependents:
+                held = waiting.pop(i, None)
+                if held is not None:
+                    held.cancel(check=False)
+                results[i] = failed(self.params_of[i][0], line)
 
 
 class SageLocalLauncher(_SageSubmitit, LocalLauncher):
@@ -192,10 +331,23 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         executor, params = self._start(job_overrides, initial_job_idx)
+        self.params_of = params
         width = max(1, int(self.own["parallelism"]))
-        running: dict[int, Any] = {}
         results: dict[int, JobReturn] = {}
-        pending = list(range(len(params)))
+        # the SFT stages first, each one job (at most `width` at once), before any job that starts from one
+        stages = list(range(len(self.stages)))
+        stage_jobs: dict[int, Any] = {}
+        while stages or stage_jobs:
+            while stages and len(stage_jobs) < width:
+                k = stages.pop(0)
+                stage_jobs[k] = executor.submit(
+                    self, *self._stage_params(self.stages[k], self.first_stage_num + k)
+                )
+                log.info(stage_line(self.stages[k], stage_jobs[k].job_id, 1))
+            self._watch_stages(stage_jobs, {}, results, force=False)
+            time.sleep(0.5)
+        running: dict[int, Any] = {}
+        pending = [i for i in range(len(params)) if i not in results]
         while pending or running:
             while pending and len(running) < width:
                 i = pending.pop(0)
@@ -212,12 +364,41 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
         for line in submission_warnings(self.config, len(job_overrides)):  # before anything is submitted
             log.warning(line)
         executor, params = self._start(job_overrides, initial_job_idx)
-        running = dict(enumerate(executor.map_array(self, *zip(*params, strict=True))))
+        self.params_of = params
+        processes = int(self.params["tasks_per_node"]) * int(self.params["nodes"])  # type: ignore[attr-defined]
+        stage_jobs: dict[int, Any] = {}
+        held = {i for stage in self.stages for i in stage.dependents}
+        groups = [([i for i in range(len(params)) if i not in held], executor)]
+        for k, stage in enumerate(self.stages):
+            job = self._executor(**self._stage_size(stage)).submit(
+                self, *self._stage_params(stage, self.first_stage_num + k)
+            )
+            stage_jobs[k] = job
+            log.info(stage_line(stage, job.job_id, processes))
+            extra = dict(self.params.get("additional_parameters") or {})  # type: ignore[attr-defined]
+            # afterok: the jobs start only once the SFT job has succeeded; kill_on_invalid_dep: if it fails,
+            # SLURM cancels them rather than leaving them pending for ever
+            extra.update(dependency=f"afterok:{job.job_id}", kill_on_invalid_dep="yes")
+            groups.append((stage.dependents, self._executor(additional_parameters=extra)))
+        running: dict[int, Any] = {}
+        for indexes, group_executor in groups:
+            if indexes:
+                jobs = group_executor.map_array(self, *zip(*(params[i] for i in indexes), strict=True))
+                running.update(zip(indexes, jobs, strict=True))
         results: dict[int, JobReturn] = {}
         poll_s, polled = float(self.own["status_poll_max_s"]), time.monotonic()
-        while running:
+        while running or stage_jobs:
             force = time.monotonic() - polled >= poll_s
             polled = time.monotonic() if force else polled
-            self._collect(running, params, results, force)
+            self._watch_stages(stage_jobs, running, results, force)
+            self._collect(running, params, results, force and not stage_jobs)
             time.sleep(1)
         return self._finish([results[i] for i in range(len(params))])
+
+    def _stage_size(self, stage: SFTStage) -> dict[str, Any]:
+        """An SFT job's share of a grid job's resources: one node, the processes its batch can use, and as
+        many GPUs when the grid's jobs ask for GPUs per node."""
+        size: dict[str, Any] = {"nodes": 1, "tasks_per_node": stage.processes}
+        if self.params.get("gpus_per_node"):  # type: ignore[attr-defined]
+            size["gpus_per_node"] = stage.processes
+        return size

@@ -22,6 +22,11 @@ _ENV = "HYDRA_FULL_ERROR"
 _SET_BY_US = "_SAGE_SET_HYDRA_FULL_ERROR"
 
 
+class GridFailed(RuntimeError):
+    """A grid job's failure as the grid driver reports it: its message is the whole report (the launcher
+    has logged each job's end), so the grid ends with it as one line and exit code 1."""
+
+
 def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
     """Run a ``@hydra.main`` app over the configs in ``conf_dir``; a composition error becomes ``error: <one
     line>`` and exit code 2. A user who set HYDRA_FULL_ERROR asked for Hydra's traceback and gets it."""
@@ -46,6 +51,9 @@ def run_app(app: Callable[[], Any], conf_dir: str | Path) -> Any:
             sys.exit(1)
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
+    except GridFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except CompactHydraException as e:
         # Raised before any job ran, while HYDRA_FULL_ERROR is still ours: a sweeper's refusal (the Optuna
         # sweeper's SweepError: a resumed study that is another experiment, an objective no trial writes) or

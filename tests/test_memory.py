@@ -320,21 +320,30 @@ def test_the_rl_step_on_n_processes_is_the_presets_or_said_in_one_line():
     )
 
 
-def test_the_plan_and_sage_train_say_when_the_rl_step_is_not_the_presets(capsys, monkeypatch, caplog):
-    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8")
-    assert code == 0
-    warnings = [line for line in out.splitlines() if line.startswith("warning: trl=paper states 64")]
-    assert warnings == [line for line in out.splitlines() if "takes 512" in line] and len(warnings) == 1
-    assert "pass trl.gradient_accumulation_steps=8 to keep 64" in warnings[0]
+def test_the_plan_and_sage_train_refuse_a_step_that_is_not_the_papers(capsys, monkeypatch, caplog):
+    """trl=paper fixes its 64 completions per step (issue 55): on 8 processes without
+    trl.gradient_accumulation_steps=8 the plan and sage-train refuse in one line naming it, before the process
+    group and any model; allow_batch_change=true runs it and says what it takes instead."""
+    refusal = (
+        "error: trl=paper states 64 completions per optimiser step (1 per forward pass x 64 accumulation "
+        "steps on one process); 1 x 64 x 8 processes takes 512: pass trl.gradient_accumulation_steps=8 to "
+        "keep 64, or allow_batch_change=true to train on 512 on purpose"
+    )
+    assert refusal_line(*plan(capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8")) == refusal
     _, out, _ = plan(
         capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8", "trl.gradient_accumulation_steps=8"
     )
     assert "warning: trl=" not in out
+    code, out, _ = plan(capsys, "model=qwen2.5-math-7b", *PAPER, "processes=8", "allow_batch_change=true")
+    warnings = [line for line in out.splitlines() if line.startswith("warning: trl=paper states 64")]
+    assert code == 0 and len(warnings) == 1
+    assert "takes 512: pass trl.gradient_accumulation_steps=8" in warnings[0]
 
-    # sage-train's main process says it at start, before the process group and any model
+    # sage-train refuses it on every process, before the process group and any model
     from hydra.core.hydra_config import HydraConfig
 
     from sage import distributed
+    from sage.config import ConfigError
     from sage.train import main
 
     class Joined(Exception):
@@ -350,10 +359,17 @@ def test_the_plan_and_sage_train_say_when_the_rl_step_is_not_the_presets(capsys,
     monkeypatch.setattr(distributed, "init", init)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError) as refused:
+        main.train(cfg)
+    assert f"error: {refused.value}" == refusal
+    cfg = compose_train(
+        "trl=paper", *paper_here, "tracking.enabled=false", "eval.at_end=false", "allow_batch_change=true"
+    )
+    HydraConfig.instance().set_config(cfg)
     with caplog.at_level("WARNING", logger="sage.train.main"), pytest.raises(Joined):
         main.train(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == "sage.train.main"]
-    assert said == [warnings[0]]
+    assert said == warnings
 
 
 def test_the_plan_says_how_long_the_sft_stage_trains_and_the_command_that_builds_it_first(capsys):
@@ -375,16 +391,22 @@ def test_the_plan_says_how_long_the_sft_stage_trains_and_the_command_that_builds
     ), out
     build = "sft: build it first, as a job of its own: sage-train model=qwen2.5-math-7b trl.max_steps=0 "
     assert lines[-1] == build + "eval.at_end=false tracking.enabled=false"
-    # the testbed's SFT data is counted: 512 rows, 8 per step, one epoch; a grid prints its command once
-    code, out, _ = plan(capsys, "-m", "model=tiny_sft", "seed=1,2")
+    # the testbed's SFT data is counted: 512 rows, 8 per step, one epoch; a grid's two jobs plan alike and
+    # print it once, and its launcher builds the stage as one job of its own, which both jobs depend on
+    code, out, _ = plan(capsys, "-m", "model=tiny_sft", "model.sft.args.seed=91", "seed=1,2")
     assert (
         out.count(
             "sft: the SFT stage trains on one process, at most 64 optimiser steps (1 epoch(s) x 512 rows at "
             "8 row(s) per step, before the rows longer than model.sft.args.max_length tokens are dropped)"
         )
-        == 2
+        == 1
     )
-    assert out.count("sft: build it first") == 1
+    assert "2 jobs with the same plan (job 0 [seed=1]; job 1 [seed=2]):" in out
+    assert out.count("sft: build it first") == 0
+    assert (
+        "sft: the launcher submits 1 SFT job first for model=tiny_sft model.sft.args.seed=91 (1 process(es)); "
+        "job(s) 0, 1 depend on it (SLURM afterok; locally they start after it) and do not run if it fails"
+    ) in out.splitlines()
     # a batch that splits is trained by the job's processes together: 4 rows each, the same 8 per step
     _, out, _ = plan(capsys, "model=tiny_sft", "processes=2", "trl.per_device_train_batch_size=32")
     assert "sft: the SFT stage trains on the job's 2 processes, at most 64 optimiser steps (1 epoch(s)" in out
@@ -408,7 +430,7 @@ def test_the_printed_sft_command_builds_the_sft_stage_and_nothing_else(capsys, m
     (tmp_path / "cache" / "testbed").symlink_to(cache_dir() / "testbed", target_is_directory=True)
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
     small = ("model.sft.data.n=32", "model.sft.args.max_steps=2")
-    _, out, _ = plan(capsys, "-m", "model=tiny_chat", *small, "seed=1,2")
+    _, out, _ = plan(capsys, "model=tiny_chat", *small, "seed=2")
     assert "sft: the SFT stage trains on one process, model.sft.args.max_steps=2 optimiser steps;" in out
     command = [line for line in out.splitlines() if line.startswith("sft: build it first")]
     assert len(command) == 1
@@ -443,7 +465,12 @@ def test_a_paper_run_counts_the_math_suite_completions(capsys):
 
 def test_a_micro_batch_that_does_not_fit_exits_1(capsys):
     code, out, _ = plan(
-        capsys, "model=r1-distill-qwen-7b", "trl=paper", "rollout=vllm", "trl.per_device_train_batch_size=8"
+        capsys,
+        "model=r1-distill-qwen-7b",
+        "trl=paper",
+        "rollout=vllm",
+        "trl.per_device_train_batch_size=8",
+        "trl.gradient_accumulation_steps=8",  # the paper's 64 per step, 8 per forward pass
     )
     assert code == 1
     assert "DOES NOT FIT" in out

@@ -73,7 +73,8 @@ def build_tiny_model(
     chat: bool = False,
     world: str = "graded",
     cache_dir: str | None = None,
-) -> str:
+    present_only: bool = False,
+) -> str | None:
     """Path of a folder with the trained model and tokenizer (``save_pretrained`` of both), training it
     only if no build of this exact config is cached. The folder appears atomically, complete or not at
     all, so a killed build or two concurrent builds never leave a half-written model behind.
@@ -85,7 +86,9 @@ def build_tiny_model(
     ``world``: the teacher's world (:data:`sage.testbed.task.WORLDS`); ``graded`` is ``model=tiny``'s,
     ``arith`` the first testbed's (``model=tiny_arith``, ``tiny_sft``, ``tiny_chat``), ``fork``
     ``model=tiny_fork``'s. ``strategy_probs``: the teacher's strategy mix; None: the world's
-    (:data:`~sage.testbed.task.FORK_PRIOR` in the fork world, else ``DEFAULT_STRATEGY_PROBS``)."""
+    (:data:`~sage.testbed.task.FORK_PRIOR` in the fork world, else ``DEFAULT_STRATEGY_PROBS``).
+    ``present_only``: the folder if this build is cached, else None, building nothing (as every model
+    source takes it: ``sage.models.from_hub``)."""
     if world not in WORLDS:
         raise ConfigError(f"model.source.world must be one of {', '.join(WORLDS)}, got {world!r}")
     if strategy_probs is None:
@@ -120,8 +123,11 @@ def build_tiny_model(
     root = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     final = root / "testbed" / config_hash(config)
     if (final / BUILD_INFO_FILE).exists():
-        log.info("testbed model cached at %s", final)
+        if not present_only:
+            log.info("testbed model cached at %s", final)
         return str(final)
+    if present_only:
+        return None
     log.info(
         "building the testbed base model into %s, once per machine (the cache is $SAGE_CACHE_DIR, else "
         "~/.cache/sage); every later run reuses it",

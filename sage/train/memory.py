@@ -371,18 +371,11 @@ def batch_of(cfg, prompt_tokens: int, processes: int) -> Batch:
 
 
 def preset_batch(preset: str) -> tuple[int, int]:
-    """(completions per forward pass, accumulation steps) that ``conf/trl/<preset>.yaml`` states: the
-    preset's optimiser step as one process takes it, TRL's defaults where the file is silent."""
-    from omegaconf import OmegaConf
-    from trl import GRPOConfig
+    """(completions per forward pass, accumulation steps) that ``conf/trl/<preset>.yaml`` states
+    (``sage.trl_checks.preset_batch``)."""
+    from sage.trl_checks import preset_batch as stated
 
-    from sage.paths import CONF_DIR
-
-    node = OmegaConf.load(Path(CONF_DIR) / "trl" / f"{preset}.yaml")
-    defaults = GRPOConfig.__dataclass_fields__
-    keys = ("per_device_train_batch_size", "gradient_accumulation_steps")
-    micro, accumulation = (int(node.get(k, defaults[k].default)) for k in keys)
-    return micro, accumulation
+    return stated(preset)
 
 
 def global_batch_warning(batch: Batch, preset: str, stated: tuple[int, int]) -> str | None:
@@ -391,41 +384,25 @@ def global_batch_warning(batch: Batch, preset: str, stated: tuple[int, int]) -> 
     setting that keeps them; None when it does, or on one process.
 
     RL does not split the step over the processes as the SFT stage does (``sage.train.sft.split_batch``):
-    TRL's per-process knobs are the run's record and a command may mean a larger step on more GPUs, so the
-    run goes on and says what it does instead of changing a key the user may have chosen."""
-    keep = stated[0] * stated[1]
-    # one process takes the step its config states: a changed micro-batch or accumulation is the step
-    # the command asks for
-    if batch.processes == 1 or batch.per_step == keep:
+    TRL's per-process knobs are the run's record. Where the preset fixes its batch (``trl=paper``) a run that
+    changes it is refused before this is asked (``sage.trl_checks.check_batch``); elsewhere, or with
+    ``allow_batch_change=true``, the run goes on and says what it does."""
+    from sage.trl_checks import batch_said
+
+    if batch.processes == 1:  # one process takes the step its config states: the command asks for it
         return None
-    per_pass = batch.micro * batch.processes
-    if keep % per_pass == 0:
-        fix = f"pass trl.gradient_accumulation_steps={keep // per_pass} to keep {keep}"
-    elif keep % (batch.accumulation * batch.processes) == 0:
-        fix = (
-            f"pass trl.per_device_train_batch_size={keep // (batch.accumulation * batch.processes)} to keep "
-            f"{keep}"
-        )
-    else:
-        fix = (
-            f"no trl.gradient_accumulation_steps keeps {keep} with {batch.micro} per forward pass on "
-            f"{batch.processes} processes: choose trl.per_device_train_batch_size x "
-            f"trl.gradient_accumulation_steps x processes = {keep}"
-        )
-    return (
-        f"warning: trl={preset} states {keep} completions per optimiser step ({stated[0]} per forward pass x "
-        f"{stated[1]} accumulation steps on one process); {batch.micro} x {batch.accumulation} x "
-        f"{batch.processes} processes takes {batch.per_step}: {fix}"
-    )
+    said = batch_said(preset, stated, batch.micro, batch.accumulation, batch.processes)
+    return None if said is None else f"warning: {said}"
 
 
 def run_batch_warning(cfg, processes: int, preset: str | None) -> str | None:
-    """:func:`global_batch_warning` for a composed sage-train config on ``processes`` processes; ``preset``
-    is Hydra's choice of the trl group (None: the config was composed without Hydra's record of its
-    choices, so there is no preset to compare with)."""
-    if preset is None:
-        return None
-    return global_batch_warning(batch_of(cfg, 0, processes), preset, preset_batch(preset))
+    """:func:`global_batch_warning` for a composed sage-train config on ``processes`` processes, which
+    ``sage.trl_checks.check_batch`` refuses instead where its preset fixes its batch; ``preset`` is Hydra's
+    choice of the trl group (None: the config was composed without Hydra's record of its choices, so there is
+    no preset to compare with)."""
+    from sage.trl_checks import check_batch
+
+    return check_batch(cfg, processes, preset)
 
 
 def colocated_fraction(cfg) -> float:
@@ -582,11 +559,12 @@ def sft_command(cfg) -> str:
     and no MLflow run, since a cache entry is not a result to report."""
     from omegaconf import OmegaConf
 
+    from sage.train.sft import BUILD_ONLY
+
     choice = OmegaConf.select(cfg, "hydra.runtime.choices.model")
     task = OmegaConf.select(cfg, "hydra.overrides.task", default=[]) or []
     model = [o for o in task if o.lstrip("+~").split("=", 1)[0].startswith("model.")]
-    nothing_else = ("trl.max_steps=0", "eval.at_end=false", "tracking.enabled=false")
-    return " ".join(["sage-train", f"model={choice}", *model, *nothing_else])
+    return " ".join(["sage-train", f"model={choice}", *model, *BUILD_ONLY])
 
 
 def sft_lines(cfg, processes: int) -> list[str]:
@@ -710,9 +688,11 @@ def split_arguments(args: list[str]) -> tuple[dict[str, str], list[str]]:
     own, rest = {}, []
     for a in args:
         key = a.split("=", 1)[0]
-        if key in ("gpu_gib", "prompt_tokens", "processes"):
+        if key in ("gpu_gib", "prompt_tokens", "processes", "step_s"):
             own[key] = a.split("=", 1)[1]
-        elif a not in ("-m", "--multirun"):
+        elif a in ("-m", "--multirun"):
+            own["multirun"] = "1"
+        else:
             rest.append(a)
     return own, rest
 
@@ -764,6 +744,7 @@ class JobPlan:
     evaluation: Evaluation
     base_key: str
     sft_build: list[str]  # the line with the command that builds the job's SFT stage first; [] without one
+    steps: int = 0  # trl.max_steps: the RL optimiser steps the job trains
 
 
 def evaluation_phase(
@@ -833,6 +814,47 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
     return JobPlan(label, lines, fits, total, training, evaluation, base_key, sft[1:])
 
 
+def same_plans(plans: list[JobPlan]) -> list[tuple[list[str], list[str]]]:
+    """The jobs grouped by identical plan lines (a grid's seeds plan alike), in the order of their first job:
+    (their labels, the lines)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for p in plans:
+        groups.setdefault(tuple(p.lines), []).append(p.label)
+    return [(labels, list(lines)) for lines, labels in groups.items()]
+
+
+def gpu_hours_line(plans: list[JobPlan], processes: int, step_s: float | None) -> str:
+    """The GPU-hours of the grid's RL training, one GPU per process, at ``step_s`` seconds per optimiser step
+    (``make first-hour`` measures a step on one node); without it, how to get the figure."""
+    steps = sum(p.steps for p in plans)
+    if step_s is None:
+        return (
+            f"gpu-hours: {steps:,} optimiser steps on {processes} GPU(s) each; give "
+            "step_s=<seconds per step> (make first-hour measures it) for the total"
+        )
+    hours = steps * step_s * processes / 3600
+    return (
+        f"gpu-hours: {hours:,.1f} for RL training ({steps:,} optimiser steps x {step_s:g} s x {processes} "
+        "GPU(s); the SFT jobs and the evaluations not included)"
+    )
+
+
+def stage_plan_lines(plans: list[JobPlan], stages) -> list[str]:
+    """What the launcher submits first for the grid's SFT stages (``sage.train.sft.sft_stages``): one SFT job
+    per stage the cache lacks, and the jobs that depend on it; a stage in the cache needs no job."""
+    lines = []
+    for stage in stages:
+        held = ", ".join(str(i) for i in stage.dependents)
+        lines.append(
+            f"sft: the launcher submits 1 SFT job first for {stage.model} ({stage.processes} process(es)); "
+            f"job(s) {held} depend on it (SLURM afterok; locally they start after it) and do not run if it "
+            "fails"
+        )
+    if any(p.sft_build for p in plans) and not stages:
+        lines.append("sft: every SFT stage the jobs need is in the cache: no SFT job")
+    return lines
+
+
 def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[str]:
     estimated = [j for j in jobs if j.total_gib is not None]
     lines = [f"grid: {len(jobs)} jobs x {processes} processes (one GPU each)"]
@@ -864,17 +886,23 @@ def grid_summary(jobs: list[JobPlan], processes: int, gpu_gib: float) -> list[st
 
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
-    from sage.config import ConfigError, register_configs
+    from sage.config import ConfigError, register_configs, validate
     from sage.paths import CONF_DIR
+    from sage.trl_checks import check_trl
 
     own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv))
     try:
         gpu_gib = float(own.get("gpu_gib", 80))
         prompt_tokens = int(own.get("prompt_tokens", 1024))
         given = int(own["processes"]) if "processes" in own else None
+        step_s = float(own["step_s"]) if "step_s" in own else None
     except ValueError as e:
-        print(f"error: gpu_gib, prompt_tokens and processes take numbers ({e})", file=sys.stderr)
+        print(f"error: gpu_gib, prompt_tokens, processes and step_s take numbers ({e})", file=sys.stderr)
+        return 2
+    if step_s is not None and not (math.isfinite(step_s) and step_s > 0):
+        print(f"error: step_s={own['step_s']}: seconds per optimiser step, a number > 0", file=sys.stderr)
         return 2
     register_configs()
     mounts = Path("/proc/mounts").read_text() if Path("/proc/mounts").is_file() else ""
@@ -896,23 +924,36 @@ def main(argv: list[str] | None = None) -> int:
                 shown = " ".join(o for o in job if o.split("=", 1)[0] in varying)
                 label = f"job {number}" + (f" [{shown}]" if shown else "")
                 try:  # what sage-train refuses at composition, before any model is built
+                    validate(cfg, here=False)  # what depends on this machine is sage-train's to check
+                    check_trl(cfg, processes, OmegaConf.select(cfg, "hydra.runtime.choices.trl"), here=False)
                     check_rollout(cfg)
                 except ConfigError as e:
                     raise ConfigError(f"{label}: {e}" if len(jobs) > 1 else str(e)) from e
                 problems_of = count_problems(cfg.eval, problems)
                 plans.append(plan_job(cfg, label, gpu_gib, prompt_tokens, processes, problems_of))
+                plans[-1].steps = int(cfg.trl.max_steps)
+            from sage.train.sft import sft_stages
+
+            stages = sft_stages(lambda job: compose_train(hydra_args + job), jobs, processes)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if len(plans) == 1:
         print("\n".join(plans[0].lines))
     else:
-        for p in plans:
-            print(p.label + ":\n" + "\n".join(f"  {line}" for line in p.lines))
+        for labels, lines in same_plans(plans):
+            head = (
+                labels[0]
+                if len(labels) == 1
+                else f"{len(labels)} jobs with the same plan ({'; '.join(labels)})"
+            )
+            print(head + ":\n" + "\n".join(f"  {line}" for line in lines))
         print("\n".join(grid_summary(plans, processes, gpu_gib)))
-    # one command per distinct SFT stage, after the jobs that wait for it
-    for line in dict.fromkeys(line for p in plans for line in p.sft_build):
-        print(line)
+    print(gpu_hours_line(plans, processes, step_s))
+    if "multirun" in own:  # a grid: its launcher runs each SFT stage the cache lacks as a job of its own
+        print("\n".join(stage_plan_lines(plans, stages)))
+    else:  # one run builds its SFT stage itself, or from the command printed here, first
+        print("\n".join(line for p in plans for line in p.sft_build))
     for line in cluster_warnings(sweep_cfg, sweep_cfg.hydra.launcher, len(plans), mounts):
         print(line)
     return 0 if all(p.fits for p in plans) else 1

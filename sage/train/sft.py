@@ -27,6 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -60,6 +62,96 @@ def split_batch(per_device: int, accumulation: int, processes: int) -> tuple[int
     share = total // processes
     micro = math.gcd(per_device, share)
     return micro, share // micro
+
+
+def stage_processes(args: DictConfig, processes: int) -> int:
+    """How many of a job's ``processes`` an SFT job of its own can use: the most that share the effective
+    batch equally (``split_batch``), one for Table 7's batch of 1. A grid's SFT job asks for no more."""
+    total = effective_batch(args)
+    return max(p for p in range(1, processes + 1) if total % p == 0)
+
+
+# What turns a sage-train run into the build of its SFT stage alone (the cache entry every run of its model
+# starts from): no RL step, no evaluation, and no MLflow run, since a cache entry is not a result to report.
+BUILD_ONLY = ("trl.max_steps=0", "eval.at_end=false", "tracking.enabled=false")
+
+
+def stage_identity(cfg: DictConfig) -> str:
+    """What two configs must share to start from one SFT stage, known before their base model exists: the
+    cache key with the model source's config in place of its folder."""
+    source = OmegaConf.to_container(cfg.model.source, resolve=True)
+    return content_key(sft_key(cfg, json.dumps(source, sort_keys=True)))
+
+
+def cached_stage(cfg: DictConfig) -> Path | None:
+    """The finished SFT folder ``run_sft`` would reuse for ``cfg``, or None; builds and fetches nothing (a
+    base model that is not on this machine has no SFT stage built from it here)."""
+    from sage.paths import cache_dir
+
+    base = instantiate_node(cfg.model.source, present_only=True)
+    if base is None:
+        return None
+    final = cache_dir() / "sft" / content_key(sft_key(cfg, base))
+    return final if (final / DONE_FILE).exists() else None
+
+
+# ---- a grid's SFT stages as jobs of their own -------------------------------------------------------
+# A model with an SFT stage trains it once per cache key and every job that starts from it waits on the
+# cache's lock while one of them builds it: on a cluster, every job's GPUs idle for the whole stage, and the
+# stage on one process of a multi-GPU job. So a grid's launcher (launchers/submitit.py) and its plan
+# (``python -m sage.train.memory -m ...``) find, before anything is submitted, the stages the grid's jobs need
+# and the cache lacks, and run each as one job of its own sized to its batch (``stage_processes``), with the
+# jobs that start from it held until it has succeeded. Its command is its first dependent job's with
+# ``BUILD_ONLY``, run in ``<sweep dir>/.sft/<stage key>``.
+
+SFT_SUBDIR = ".sft"  # in a sweep dir: one folder per SFT job, named by its stage's key
+
+
+@dataclass
+class SFTStage:
+    """One SFT stage a grid needs built: its job's overrides and size, and the grid jobs that wait for it."""
+
+    identity: str  # sage.train.sft.stage_identity: equal for every job that starts from this stage
+    model: str  # the model option (``model=tiny_chat``) and its model.* overrides, for the driver's lines
+    overrides: list[str]
+    processes: int
+    dependents: list[int] = field(default_factory=list)  # indexes into the grid's jobs
+
+    @property
+    def subdir(self) -> str:
+        return f"{SFT_SUBDIR}/{self.identity[:16]}"
+
+
+def model_label(cfg: DictConfig, overrides: Sequence[str]) -> str:
+    """``model=<option>`` and the job's ``model.*`` overrides: what an SFT stage is built for."""
+    choice = OmegaConf.select(cfg, "hydra.runtime.choices.model")
+    keyed = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].startswith("model.")]
+    return " ".join([f"model={choice}", *keyed])
+
+
+def sft_stages(
+    compose: Callable[[list[str]], DictConfig], job_overrides: Sequence[Sequence[str]], processes: int
+) -> list[SFTStage]:
+    """The SFT stages the jobs (``job_overrides``, each composed by ``compose``) need and the cache lacks,
+    in the order of the first job that needs each; ``processes``: a job's processes (tasks x nodes)."""
+    stages: dict[str, SFTStage] = {}
+    for i, overrides in enumerate(job_overrides):
+        cfg = compose(list(overrides))
+        if cfg.model.get("sft") is None:
+            continue
+        identity = stage_identity(cfg)
+        if identity not in stages:
+            if cached_stage(cfg) is not None:
+                continue
+            set_here = {"resume", *(b.split("=", 1)[0] for b in BUILD_ONLY)}
+            own = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in set_here]
+            stage = SFTStage(
+                identity, model_label(cfg, overrides), [], stage_processes(cfg.model.sft.args, processes)
+            )
+            stage.overrides = [*own, *BUILD_ONLY, f"hydra.sweep.subdir={stage.subdir}"]
+            stages[identity] = stage
+        stages[identity].dependents.append(i)
+    return list(stages.values())
 
 
 def sft_key(cfg: DictConfig, base_path: str) -> dict:
