@@ -318,10 +318,10 @@ def disagreeing_base_notes(meas: pd.DataFrame, src: pd.DataFrame) -> list[str]:
     ]
 
 
-def check_k(k: int | None, runs: pd.DataFrame, evals: pd.DataFrame) -> None:
-    """``--k`` above n, the samples per problem, of every evaluation: a pass@k no run has (the estimator
-    needs k <= n), so a table of dashes; one line instead. Each evaluation's n is what its tag records
-    (``sage.eval.<label>.<dataset>``), else the largest k it logged."""
+def check_k(k: int | None, runs: pd.DataFrame, evals: pd.DataFrame, flag: str = "--k") -> None:
+    """``--k`` (or one of ``--extra-k``: ``flag``) above n, the samples per problem, of every evaluation: a
+    pass@k no run has (the estimator needs k <= n), so a table of dashes; one line instead. Each
+    evaluation's n is what its tag records (``sage.eval.<label>.<dataset>``), else the largest k it logged."""
     if k is None:
         return
     n = 0
@@ -331,9 +331,24 @@ def check_k(k: int | None, runs: pd.DataFrame, evals: pd.DataFrame) -> None:
         n = max(n, int(latest.get("n_samples") or g["k"].max()))
     if k > n:
         raise ReportError(
-            f"--k {k} is above n, the samples per problem, of every evaluation here (at most {n}): "
-            f"pass@k needs k <= n; choose --k {n} or less"
+            f"{flag} {k} is above n, the samples per problem, of every evaluation here (at most {n}): "
+            f"pass@k needs k <= n; choose {flag} {n} or less"
         )
+
+
+def reference_row(reference: str | None, trained_rows: Sequence[str]) -> tuple[str, str | None]:
+    """The row the differences are taken against (``--reference``, a preset or a row name; GRPO when not
+    given), and why there is no such trained row (None when there is)."""
+    ref_row = load.METHOD_NAMES.get(reference or "grpo", reference or "grpo")
+    if ref_row in trained_rows:
+        return ref_row, None
+    split = [r for r in trained_rows if r.startswith(f"{ref_row} [")]
+    if split:
+        return ref_row, (
+            f"its runs are split into rows {', '.join(split)} (see the note on the split): report one grid "
+            "with --grid, or one setting with --filter"
+        )
+    return ref_row, f"no trained row of that name (rows: {', '.join(trained_rows)}; --reference picks one)"
 
 
 def untrained_notes(runs: pd.DataFrame) -> list[str]:
@@ -442,6 +457,8 @@ class ProblemValues:
         self.notes: list[str] = []
         self.mats: dict[tuple[str, str], dict[int, list[np.ndarray]]] = {}
         self.ids: dict[str, set[tuple[str, ...] | None]] = {}  # per dataset: every source's problem ids
+        self.row_ids: dict[tuple[str, str], dict[int, tuple[str, ...] | None]] = {}  # per (row, ds), by seed
+        self.compared_on: dict[tuple[str, str, str], str] = {}  # (row, other row, ds) -> its note
         self._cache: dict[tuple[str, str, int, int], np.ndarray] = {}
         for row, seed, run_id, label in src[src["seed"].isin(asked)][SOURCES].itertuples(index=False):
             for ds in datasets:
@@ -449,12 +466,50 @@ class ProblemValues:
                 if m is None:
                     self.notes.append(
                         f"intervals: {row} seed {seed} (run {run_id}) logged no correctness matrices for "
-                        f"{label}/{ds} ({label}_{ds}_correct.npz): that seed is left out of the intervals"
+                        f"{label}/{ds} ({label}_{ds}_correct.npz): that seed is left out of the intervals, "
+                        "and its pass@k in the tables, its logged metrics, is checked against nothing"
                     )
                     continue
                 self.mats.setdefault((row, ds), {})[int(seed)] = m
                 ids = load.problem_ids(client, run_id, label, ds, tmp)
                 self.ids.setdefault(ds, set()).add(tuple(ids) if ids is not None else None)
+                self.row_ids.setdefault((row, ds), {})[int(seed)] = tuple(ids) if ids is not None else None
+
+    def common(self, row: str, other: str, ds: str) -> tuple[np.ndarray, np.ndarray, list[str]] | str | None:
+        """How two rows' problems pair: None by position (the same problem ids, or ids some seed did not
+        log); when every seed of each row logged one list of ids and the lists differ, the positions in
+        each row of the problems both evaluated and their ids (in ``other``'s order), noted once in
+        ``compared_on``; or why none pair."""
+        lists = [set(self.row_ids.get((r, ds), {}).values()) for r in (row, other)]
+        if any(len(listed) != 1 or None in listed for listed in lists):
+            return None
+        mine, theirs = (next(iter(listed)) for listed in lists)
+        if mine == theirs:
+            return None
+        where, their_where = {p: i for i, p in enumerate(mine)}, {p: i for i, p in enumerate(theirs)}
+        both = [p for p in their_where if p in where]
+        if not both:
+            return f"no problem in common ({len(mine)} and {len(theirs)} evaluated)"
+        self.compared_on[(row, other, ds)] = (
+            f"{row} vs {other} on {ds}: the rows evaluated different problems ({len(mine)} and "
+            f"{len(theirs)}, {len(both)} in common): only the {len(both)} both evaluated are compared"
+        )
+        return np.array([where[p] for p in both]), np.array([their_where[p] for p in both]), both
+
+    def paired(self, row: str, other: str, ds: str) -> tuple[tuple[int, int], tuple[int, int], object] | str:
+        """Each row's (problems, samples) and how their problems pair (``common``), or why they do not."""
+        shapes = (self.shape(row, ds), self.shape(other, ds))
+        why = next(
+            (f"{r}: {s}" for r, s in zip((row, other), shapes, strict=True) if isinstance(s, str)), None
+        )
+        if why is not None:
+            return why
+        common = self.common(row, other, ds)
+        if isinstance(common, str):
+            return common
+        if common is None and shapes[0][0] != shapes[1][0]:
+            return f"not paired by problem: {shapes[0][0]} vs {shapes[1][0]} problems"
+        return shapes[0], shapes[1], common
 
     def shape(self, row: str, ds: str) -> tuple[int, int] | str:
         """(problems, samples) shared by every seed of a row, else why not."""
@@ -469,14 +524,52 @@ class ProblemValues:
         """(seeds, problems, len(ks)) per-problem pass@k and the seeds, for a row whose ``shape`` is a
         shape with samples >= max(ks)."""
         seeds = sorted(self.mats[(row, ds)])
-        for seed in seeds:
-            todo = [k for k in ks if (row, ds, seed, k) not in self._cache]
-            if todo:
-                computed = bootstrap.per_problem_pass_at_k(self.mats[(row, ds)][seed], todo)
-                for k, v in zip(todo, computed, strict=True):
-                    self._cache[(row, ds, seed, k)] = v
-        per_seed = [np.stack([self._cache[(row, ds, s, k)] for k in ks], axis=-1) for s in seeds]
+        per_seed = [self.of_seed(row, ds, s, ks) for s in seeds]
         return np.stack(per_seed), seeds
+
+    def of_seed(self, row: str, ds: str, seed: int, ks: Sequence[int]) -> np.ndarray:
+        """(problems, len(ks)) per-problem pass@k of one seed's evaluation (k <= its samples)."""
+        todo = [k for k in ks if (row, ds, seed, k) not in self._cache]
+        if todo:
+            computed = bootstrap.per_problem_pass_at_k(self.mats[(row, ds)][seed], todo)
+            for k, v in zip(todo, computed, strict=True):
+                self._cache[(row, ds, seed, k)] = v
+        return np.stack([self._cache[(row, ds, seed, k)] for k in ks], axis=-1)
+
+
+# how far a logged pass@k may be from its matrices' mean: the same sums in another order differ by ~1e-16
+AGREEMENT = 1e-9
+
+
+def disagreement(pv: ProblemValues, meas: pd.DataFrame) -> str | None:
+    """The tables' pass@k (each source's logged metrics, ``meas``) against the correctness matrices its
+    evaluation logged beside them, which the differences and 'Which problems moved' read: one line naming
+    the first run and metric that disagrees beyond rounding (and how many more do), or None. Sources that
+    logged no matrices are not checked (``ProblemValues`` notes them)."""
+    wrong = []
+    for row, seed, run_id, label, ds, k, value in meas.itertuples(index=False):
+        seed = int(seed)
+        mats = pv.mats.get((row, ds), {}).get(seed)
+        if mats is None or value != value:  # no matrices, or no value (NaN): nothing shown contradicts
+            continue
+        n = mats[0].shape[1]
+        key = metric_name(label, ds, f"pass@{k}")
+        if k > n:
+            wrong.append(f"run {run_id} ({row}, seed {seed}) logged {key}, but its matrices hold {n} samples")
+            continue
+        derived = float(pv.of_seed(row, ds, seed, [k]).mean())
+        if not abs(derived - value) <= AGREEMENT:  # a NaN disagrees too
+            wrong.append(
+                f"run {run_id} ({row}, seed {seed}): its logged {key} is {value:.6g}, its correctness "
+                f"matrices ({label}_{ds}_correct.npz) give {derived:.6g}"
+            )
+    if not wrong:
+        return None
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    return (
+        f"{wrong[0]}{more}: the tables' pass@k and the differences would disagree; re-evaluate the run "
+        "(sage-eval) or leave it out (--filter, --seeds)"
+    )
 
 
 def difference_table(
@@ -502,18 +595,17 @@ def difference_table(
     for row in rows:
         cells: list[tables.Cell] = []
         for ds, k in columns:
-            shapes = (pv.shape(row, ds), pv.shape(reference, ds))
-            named = zip((row, reference), shapes, strict=True)
-            why = next((f"{r}: {s}" for r, s in named if isinstance(s, str)), None)
-            if why is None and shapes[0][0] != shapes[1][0]:
-                why = f"not paired by problem: {shapes[0][0]} vs {shapes[1][0]} problems"
-            if why is None and min(shapes[0][1], shapes[1][1]) < k:
-                why = f"k={k} exceeds the samples per problem ({min(shapes[0][1], shapes[1][1])})"
+            paired_by = pv.paired(row, reference, ds)
+            why = paired_by if isinstance(paired_by, str) else None
+            if why is None and min(paired_by[0][1], paired_by[1][1]) < k:
+                why = f"k={k} exceeds the samples per problem ({min(paired_by[0][1], paired_by[1][1])})"
             if why is not None:
                 cells.append(f"— ({why})")
                 continue
             a, seeds = pv.values(row, ds, [k])
             b, ref_seeds = pv.values(reference, ds, [k])
+            if paired_by[2] is not None:  # the problems both evaluated
+                a, b = a[:, paired_by[2][0]], b[:, paired_by[2][1]]
             pair = paired and not base and seeds == ref_seeds
             if paired and not base and not pair:
                 unpaired[(row, ds)] = f"{row} on {ds} (seeds {seeds} vs {ref_seeds})"
@@ -643,24 +735,24 @@ def moved_table(
     for ds, k in ks.items():
         for row, ref in pairs:
             name = f"{row} vs {ref}"
-            shapes = (pv.shape(row, ds), pv.shape(ref, ds))
-            named = zip((row, ref), shapes, strict=True)
-            why = next((f"{r}: {s}" for r, s in named if isinstance(s, str)), None)
-            if why is None and shapes[0][0] != shapes[1][0]:
-                why = f"not paired by problem: {shapes[0][0]} vs {shapes[1][0]} problems"
-            n = min(shapes[0][1], shapes[1][1]) if why is None else 0
+            paired_by = pv.paired(row, ref, ds)
+            why = paired_by if isinstance(paired_by, str) else None
+            n = min(paired_by[0][1], paired_by[1][1]) if why is None else 0
             if why is None and n < k:
                 why = f"k={k} exceeds the samples per problem ({n})"
             if why is None:
+                common = paired_by[2]
+                mine, theirs = (slice(None), slice(None)) if common is None else common[:2]
                 values, seeds = pv.values(row, ds, [k])
                 ref_values, ref_seeds = pv.values(ref, ds, [k])
+                values, ref_values = values[:, mine], ref_values[:, theirs]
                 if not moved.seed_pairs(seeds, ref_seeds):
                     why = f"no training seed in common ({seeds} vs {ref_seeds})"
             if why is not None:
                 out.append((name, [ds, str(k), "", *[f"— ({why})"] * 3]))
                 continue
-            curves = moved.mean_curve(pv.values(row, ds, list(range(1, n + 1)))[0])
-            ref_curves = moved.mean_curve(pv.values(ref, ds, list(range(1, n + 1)))[0])
+            curves = moved.mean_curve(pv.values(row, ds, list(range(1, n + 1)))[0][:, mine])
+            ref_curves = moved.mean_curve(pv.values(ref, ds, list(range(1, n + 1)))[0][:, theirs])
             m = moved.compare(
                 values[..., 0], ref_values[..., 0], curves, ref_curves, seeds, ref_seeds,
                 k=k, threshold=threshold, ref_is_base=ref.startswith("base"),
@@ -669,7 +761,7 @@ def moved_table(
             texts = [m.count_text("lost"), m.count_text("gained"), m.crossing_text()]
             out.append((name, [ds, str(k), str(m.problems), *texts]))
             lines.append({"row": row, "reference": ref, "dataset": ds, "threshold": threshold, **m.summary()})
-            known = ids.get(ds)
+            known = ids.get(ds) if common is None else common[2]
             named_ids = known if known is not None and len(known) == m.problems else None
             parts = []
             for which in ("lost", "gained"):
@@ -731,11 +823,17 @@ def problems_csv(
     if not shapes:
         return None, []
     problems = next(iter(shapes.values()))[0]
-    passes = {}
+    passes, first_ids = {}, None
     for r, (p, n) in shapes.items():
         if p != problems:
             notes.append(f"problems_{ds}.csv: {r} left out ({p} problems, not {problems})")
             continue
+        listed = set(pv.row_ids.get((r, ds), {}).values())
+        if len(listed) == 1 and None not in listed:  # one line per problem: never two problems on one
+            first_ids = first_ids or next(iter(listed))
+            if next(iter(listed)) != first_ids:
+                notes.append(f"problems_{ds}.csv: {r} left out (it evaluated other problems)")
+                continue
         values, _ = pv.values(r, ds, [1, k] if n >= k else [1])
         mean = values.mean(axis=0)
         passes[r] = (mean[:, 0], mean[:, 1] if n >= k else np.full(problems, np.nan))
@@ -855,7 +953,7 @@ def make_report(
     digits: int = 3,
     extra_ks: Sequence[int] = (),
     includes: Sequence[Path] = (),
-    reference: str = "grpo",
+    reference: str | None = None,
     draws: int = 2000,
     rng_seed: int = 0,
     min_seeds: int = 5,
@@ -867,6 +965,8 @@ def make_report(
         raise ReportError(f"--lost-threshold must be in (0, 1], not {lost_threshold}")
     if primary is not None and draws <= 0:
         raise ReportError("--primary needs the intervals that --bootstrap 0 turns off")
+    if draws < 0:
+        raise ReportError(f"--bootstrap {draws}: the bootstrap draws are 0 (no intervals nor bands) or more")
     sel = select(client, experiment, run_ids, filter_string, seeds)
     runs, asked = sel.runs, sel.seeds
     notes = list(sel.notes)
@@ -876,7 +976,8 @@ def make_report(
             f"none of the {len(runs)} runs logged pass_at_<k>/<base|trained>/<dataset> metrics "
             "(trained with eval.at_end=false?): nothing to tabulate"
         )
-    check_k(k, runs, evals)
+    for kk, flag in [(k, "--k"), *((x, "--extra-k") for x in extra_ks)]:
+        check_k(kk, runs, evals, flag)
     src, src_notes = sources(runs)
     notes += src_notes
     ks = tables.default_ks(evals, k)
@@ -885,6 +986,20 @@ def make_report(
     meas = measurements(src, evals)
     if not (runs["method"] == "base").any():
         notes += disagreeing_base_notes(meas, src)
+    datasets = sorted(ks)
+    warnings = [w for w in [few_seeds_warning(meas, asked, min_seeds)] if w]
+    trained_rows = sorted(src.loc[src["label"] == "trained", "row"].unique(), key=tables.row_key)
+    ref_row, ref_why = reference_row(reference, trained_rows)
+    if ref_why is not None and reference is not None:  # asked for by name: a report without it is not one
+        raise ReportError(f"--reference {reference}: {ref_why}")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        pv = ProblemValues(client, src, datasets, asked, Path(tmp_name))
+    notes += pv.notes
+    # the tables' pass@k are the logged metrics, the differences' and 'Which problems moved' the matrices:
+    # checked against each other on every report, before anything is written
+    wrong = disagreement(pv, meas)
+    if wrong:
+        raise ReportError(wrong)
     made: dict[str, Table] = {}
     figs: dict[str, Path] = {}
     sections: list[str] = []
@@ -903,14 +1018,7 @@ def make_report(
         t = tables.ablation_table(meas, asked, {ds: kx for ds in ks})
         t.name = f"ablation_k{kx}"
         add(t, f"Methods at pass@{kx}")
-    datasets = sorted(ks)
-    warnings = [w for w in [few_seeds_warning(meas, asked, min_seeds)] if w]
-    pv = None
     if draws > 0:
-        with tempfile.TemporaryDirectory() as tmp_name:
-            pv = ProblemValues(client, src, datasets, asked, Path(tmp_name))
-        notes += pv.notes
-        trained_rows = sorted(src.loc[src["label"] == "trained", "row"].unique(), key=tables.row_key)
         base_rows = sorted(src.loc[src["label"] == "base", "row"].unique())
         columns = [(ds, kk) for ds in datasets for kk in sorted({1, ks[ds], *extra_ks})]
         how = (
@@ -937,8 +1045,7 @@ def make_report(
                 "not pooled over the table:",
                 "not pooled over the table; unpaired, the start model has no training seed:",
             )
-        ref_row = load.METHOD_NAMES.get(reference, reference)
-        if ref_row in trained_rows:
+        if ref_why is None:
             others = [r for r in trained_rows if r != ref_row]
             t = difference_table(
                 pv, others, ref_row, columns, asked,
@@ -947,14 +1054,7 @@ def make_report(
             )  # fmt: skip
             add(t, f"Differences against {ref_row}", how_ref)
         else:
-            split = [r for r in trained_rows if r.startswith(f"{ref_row} [")]
-            why = (
-                f"its runs are split into rows {', '.join(split)} (see the note on the split): report one "
-                "grid with --grid, or one setting with --filter"
-                if split
-                else f"no trained row of that name (rows: {', '.join(trained_rows)}; --reference picks one)"
-            )
-            notes.append(f"no differences against {ref_row!r}: {why}")
+            notes.append(f"no differences against {ref_row!r}: {ref_why}")
         if primary is not None:
             sections.insert(0, primary_section(pv, primary, ref_row, trained_rows, asked, paired_seeds))
         if len(base_rows) == 1:
@@ -986,10 +1086,9 @@ def make_report(
                     frame.to_csv(tables_dir / f"problems_{ds}.csv", index=False)
         else:
             notes.append("no 'Which problems moved' section: no reference nor base row to compare against")
+        notes += list(pv.compared_on.values())
     else:
-        notes.append(
-            "no differences nor 'Which problems moved' section: --bootstrap 0 reads no correctness matrices"
-        )
+        notes.append("no differences nor 'Which problems moved' section: --bootstrap 0 computes no intervals")
 
     grids = grid_tables(runs, meas[meas["label"] == "trained"], asked, ks)
     for g in grids:
@@ -1074,7 +1173,7 @@ def make_report(
         notes.append("no pass@k curve figure: no run logged pass_at_k_curve/<label>/<dataset>")
     else:
         rows = sorted(curves["row"].unique(), key=tables.row_key)
-        bands = curve_bands(pv, rows, datasets, draws, rng_seed) if pv is not None else None
+        bands = curve_bands(pv, rows, datasets, draws, rng_seed) if draws > 0 else None
         band_text = "bands: mean ± std over training seeds"
         if bands is not None and len(bands):
             band_text = f"bands: {bootstrap.LEVEL:.0%} bootstrap interval over problems and training seeds"
@@ -1148,8 +1247,15 @@ def primary_comparison(text: str) -> tuple[str, str, int]:
     return parts[0], parts[1], int(parts[2])
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line, as sage-report's own are (its usage is what --help prints)."""
+
+    def error(self, message: str):
+        self.exit(2, f"sage-report: {message} (sage-report --help lists the flags)\n")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sage-report", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="sage-report", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--experiment",
         default="sage",
@@ -1182,8 +1288,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--reference",
-        default="grpo",
-        help="method the differences are taken against: a conf/experiment preset (grpo) or a row name",
+        default=None,
+        help="method the differences are taken against: a conf/experiment preset or a row name, refused "
+        "when no trained row is that (default: grpo, when there is a GRPO row)",
     )
     p.add_argument(
         "--primary",
@@ -1245,6 +1352,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# integer flags and their smallest value, with what it means
+AT_LEAST = {
+    "k": (1, "pass@k needs k >= 1"),
+    "bootstrap": (0, "the bootstrap draws are 0 (no intervals nor bands) or more"),
+    "bootstrap_seed": (0, "an RNG seed is 0 or more"),
+    "perplexity_max": (0, "the perplexities shown per run are 0 (no section) or more"),
+    "digits": (0, "the digits shown are 0 or more"),
+}
+
+
+def checked_flags(args: argparse.Namespace) -> list[int]:
+    """A ReportError naming the first flag whose value sage-report cannot use, before any store is opened
+    or file written; else ``--extra-k`` as integers."""
+    for name, (least, why) in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ReportError(f"--{name.replace('_', '-')} {value}: {why}")
+    parts = [x.strip() for x in args.extra_k.split(",") if x.strip()]
+    if not all(x.isdigit() and int(x) >= 1 for x in parts):
+        raise ReportError(
+            f"--extra-k takes integers >= 1 separated by commas (e.g. 8,64), not {args.extra_k!r}"
+        )
+    return [int(x) for x in parts]
+
+
 def readable_store(uri: str | None):
     """``load.open_store`` and one query, under sage-train's probe limits: a corrupt SQLite file or a dead
     or hung server is one line, not MLflow's traceback from the first table read."""
@@ -1268,6 +1400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
     except ValueError:
         print(f"sage-report: --seeds takes integers separated by commas, not {args.seeds!r}", file=sys.stderr)
+        return 2
+    try:
+        extra_ks = checked_flags(args)
+    except ReportError as e:
+        print(f"sage-report: {e}", file=sys.stderr)
         return 2
     missing = [str(f) for f in args.include if not Path(f).is_file()]
     if missing:
@@ -1322,7 +1459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tables_dir=args.tables_dir or args.out.parent / "tables",
             perplexity_cap=args.perplexity_max,
             digits=args.digits,
-            extra_ks=[int(x) for x in args.extra_k.split(",") if x.strip()],
+            extra_ks=extra_ks,
             includes=args.include,
             reference=args.reference,
             draws=args.bootstrap,

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +44,10 @@ FORMAT = 1
 # (scripts/training_means.py); of the others only the latest value is kept
 HISTORY = (load.CURVE_KEY, load.PERIODIC_KEY, re.compile(r"^train/guide/"))
 HISTORY_NAMES = ("train/grad_norm", "train/reward")
+# what ``export`` writes of each run, by part: a file without one of these is damaged
+RUN_PARTS = ("info", "tags", "params", "metrics", "history", "artifacts")
+INFO_FIELDS = ("run_id", "run_name", "experiment_id", "user_id", "status", "start_time", "end_time",
+               "lifecycle_stage")  # fmt: skip
 ARTIFACT = re.compile(r"^eval/[^/]+/[^/]+_(?P<kind>correct\.npz|perplexity\.json|problems\.json)$")
 
 
@@ -64,7 +69,10 @@ def _unpack(packed: Sequence[dict]) -> list[np.ndarray]:
     out = []
     for p in packed:
         n = int(np.prod(p["shape"]))
-        bits = np.unpackbits(np.frombuffer(base64.b64decode(p["bits"]), dtype=np.uint8), count=n)
+        packed = base64.b64decode(p["bits"], validate=True)
+        if len(packed) != -(-n // 8):  # unpackbits would pad a short one with zeros: wrong answers
+            raise ValueError(f"{len(packed)} bytes of bits for a {p['shape']} matrix")
+        bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=n)
         out.append(bits.astype(bool).reshape(p["shape"]))
     return out
 
@@ -156,6 +164,32 @@ def export(client, source: str, experiment: str, out: Path) -> dict[str, int]:
     return {"runs": len(records), "points": points, "artifacts": len(blobs)}
 
 
+def damage(doc: dict) -> str | None:
+    """What a snapshot lacks of what ``export`` writes (a part of a run, a field of its info, an artifact
+    it names), or None: read before any of it is used, so a damaged file is one line, not a KeyError."""
+    for key in ("source", "experiments", "runs", "artifacts"):
+        if key not in doc:
+            return f"no {key!r}"
+    for e in doc["experiments"]:
+        if not (isinstance(e, dict) and {"id", "name"} <= set(e)):
+            return f"an experiment without id or name: {e!r:.80}"
+    for i, rec in enumerate(doc["runs"]):
+        if not isinstance(rec, dict):
+            return f"run #{i} is not a record"
+        info = rec.get("info")
+        name = info.get("run_id", f"#{i}") if isinstance(info, dict) else f"#{i}"
+        part = next((p for p in RUN_PARTS if not isinstance(rec.get(p), dict)), None)
+        if part is not None:
+            return f"run {name} has no {part}"
+        field = next((f for f in INFO_FIELDS if f not in info), None)
+        if field is not None:
+            return f"run {name} has no info.{field}"
+        blob = next(((a, d) for a, d in rec["artifacts"].items() if d not in doc["artifacts"]), None)
+        if blob is not None:
+            return f"run {name}'s artifact {blob[0]} is blob {blob[1]}, which the file does not hold"
+    return None
+
+
 class SnapshotClient:
     """The read-only calls ``analysis`` makes of an ``MlflowClient``, answered from a snapshot file."""
 
@@ -168,12 +202,19 @@ class SnapshotClient:
         try:
             with gzip.open(self.path, "rt") as f:
                 doc = json.load(f)
+        except (EOFError, zlib.error) as e:
+            raise ReportError(f"--snapshot {self.path}: cut short or corrupt ({e}): export it again") from e
         except (OSError, ValueError) as e:
             raise ReportError(f"--snapshot {self.path}: not a file sage-report --export wrote ({e})") from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ReportError(
                 f"--snapshot {self.path}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
                 f"this sage-report reads format {FORMAT}"
+            )
+        lacking = damage(doc)
+        if lacking:
+            raise ReportError(
+                f"--snapshot {self.path}: {lacking}: not a whole file --export wrote, export it again"
             )
         self.source = doc["source"]
         self._experiments = [Experiment(e["id"], e["name"], "", "active") for e in doc["experiments"]]
@@ -271,9 +312,14 @@ class SnapshotClient:
         entry = self._artifacts[run_id][path]
         local = Path(dst_path or tempfile.mkdtemp()) / path
         local.parent.mkdir(parents=True, exist_ok=True)
-        if "matrices" in entry:
-            with open(local, "wb") as f:
-                np.savez(f, *_unpack(entry["matrices"]))
-        else:
-            local.write_text(json.dumps(entry["json"]))
+        try:
+            if "matrices" in entry:
+                with open(local, "wb") as f:
+                    np.savez(f, *_unpack(entry["matrices"]))
+            else:
+                local.write_text(json.dumps(entry["json"]))
+        except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
+            raise ReportError(
+                f"--snapshot {self.path}: run {run_id}'s artifact {path} is damaged ({e!r})"
+            ) from e
         return str(local)

@@ -847,10 +847,12 @@ def test_report_options_reference_seed_and_no_bootstrap(synth, capsys):
     md = out.read_text()
     assert "## Differences against GRPO w/o KL" in md
     assert "**Warning:**" not in md
-    assert report.main([*argv, "--reference", "nope", "--seeds", "1,2"]) == 0
+    assert report.main([*argv, "--reference", "nope", "--seeds", "1,2"]) == 2  # named, so refused (issue 56)
     err = capsys.readouterr().err
-    assert "note: no differences against 'nope': no trained row of that name (rows: " in err
+    assert err.startswith("sage-report: --reference nope: no trained row of that name (rows: ")
     assert "--reference picks one)" in err
+    assert report.main([*argv, "--seeds", "1,2"]) == 0
+    err = capsys.readouterr().err
     assert "warning: fewer than 5 training seeds for Table 1 methods: GRPO (2)," in err
     assert report.main([*argv, "--bootstrap", "0"]) == 0
     md = out.read_text()
