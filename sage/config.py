@@ -325,7 +325,17 @@ class TrainConfig:
     method: str | None = field(
         default=None, metadata={"help": "method label for reports (set by the experiment/ presets)"}
     )
-    seed: int = 0
+    seed: int = field(
+        default=0, metadata={"help": "trl=paper sets the paper's 3407; seed= on the command line wins"}
+    )
+    allow_batch_change: bool = field(
+        default=True,
+        metadata={
+            "help": "false (trl=paper sets it): a run whose optimiser step (processes x "
+            "trl.per_device_train_batch_size x trl.gradient_accumulation_steps) is not its trl preset's is "
+            "refused; true: it runs (sage.trl_checks.check_batch)"
+        },
+    )
     output_dir: str | None = field(default=None, metadata={"help": "None: Hydra's run (or sweep job) dir"})
     # Not typed Resume: the command line's resume=true/false arrive as YAML booleans, which OmegaConf 2.3
     # refuses for an Enum; the union still refuses numbers at composition, resume_mode any other string.
@@ -400,8 +410,11 @@ def instantiate_node(node: Any, **runtime: Any) -> Any:
         raise ConfigError(f"{node._target_}: {cause}") from e
 
 
-def validate(cfg: DictConfig) -> None:
-    """Cross-group rules, checked before anything expensive; each failure is one line."""
+def validate(cfg: DictConfig, *, here: bool = True) -> None:
+    """Cross-group rules, checked before anything expensive; each failure is one line. ``here``: False for a
+    plan made on another machine than the run's (``python -m sage.train.memory``), which leaves out what
+    depends on this machine (a CUDA GPU, the vLLM engine, bitsandbytes). TRL's keys are checked by
+    ``sage.trl_checks.check_trl``, which imports what this module cannot."""
     if cfg.guide._target_ != "sage.objective.guides.NoGuide" and cfg.divergence.beta == 0:
         raise ConfigError(
             f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
@@ -422,7 +435,7 @@ def validate(cfg: DictConfig) -> None:
             f"divergence=sequence_kl is an on-policy estimate (completions sampled from the policy it "
             f"differentiates): trl.num_iterations must be 1 (got {cfg.trl.num_iterations})"
         )
-    if cfg.trl.use_vllm:
+    if cfg.trl.use_vllm and here:
         import torch
 
         if not torch.cuda.is_available():
@@ -451,13 +464,14 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.get("sft") is not None:
         check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
-    if cfg.eval.at_end or cfg.eval.every_steps:
+    if here and (cfg.eval.at_end or cfg.eval.every_steps):
         check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
     resume_mode(cfg.resume)
     check_tracking(cfg.tracking)
     check_grading(cfg.grading)
     check_callbacks(cfg)
-    check_optimisers(cfg)
+    if here:
+        check_optimisers(cfg)
 
 
 def check_grading(grading: DictConfig) -> None:
@@ -581,6 +595,10 @@ def check_eval(eval_cfg: DictConfig) -> None:
             raise ConfigError(
                 f"eval.ks contains {k}; each k must be in 1..eval.n_samples={eval_cfg.n_samples}"
             )
+    ks = list(eval_cfg.ks)
+    if ks != sorted(set(ks)):  # refused, not reordered: the tables' columns are eval.ks as given
+        given, fixed = (",".join(map(str, v)) for v in (ks, sorted(set(ks))))
+        raise ConfigError(f"eval.ks=[{given}] must be increasing, each k once: give eval.ks=[{fixed}]")
 
 
 SEED_LIMIT = 2**32

@@ -204,6 +204,11 @@ def test_option_files_list_only_what_differs_from_their_schema(group):
     for path in (CONF / group).glob("*.yaml"):
         own = OmegaConf.load(path)
         base_name = own.get("defaults", [None])[0]
+        if path.read_text().startswith("# @package _global_"):  # trl=paper: its group's keys under `trl:`
+            own, base_name = (
+                OmegaConf.create({**own[group], "defaults": own.defaults}),
+                base_name.split("@")[0],
+            )
         while f"{base_name}.yaml" not in repo[group]:  # an option that extends another option
             base_name = OmegaConf.load(CONF / group / f"{base_name}.yaml").defaults[0]
         schema = OmegaConf.create(repo[group][f"{base_name}.yaml"].node)
@@ -226,6 +231,12 @@ def test_eval_ks_follow_n_samples_unless_given():
     assert list(cfg.eval.ks) == [2, 4]
     with pytest.raises(ConfigError, match="eval.ks contains 16"):
         validate(cfg_for("eval.n_samples=8", "eval.ks=[16]"))
+    # refused, not reordered: the tables' columns are eval.ks as given (issue 56)
+    for ks in ("[2,1,1]", "[1,1]", "[8,2]"):
+        with pytest.raises(
+            ConfigError, match=r"^eval.ks=\[.*\] must be increasing, each k once: give eval.ks="
+        ):
+            validate(cfg_for("eval.n_samples=8", f"eval.ks={ks}"))
 
 
 def test_guide_with_no_divergence_is_an_error_that_says_why():
@@ -513,3 +524,136 @@ def test_a_comma_in_the_experiment_name_is_refused_in_one_line(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert "tracking.experiment='my,study' has a comma" in one_error_line(r)
+
+
+# ------------------------------------------------------------------ TRL's keys at plan time (issue 56)
+# Each probe of issue 56 that reached TRL after the MLflow run had started (72, 42, 42 and 40 lines of
+# traceback, the accumulation's naming the wrong key) or trained silently (a negative clip range), and the
+# eval.ks that gave a table header of pass@2 | pass@1 | pass@1: (override, the refusal's line).
+PROBES = [
+    (
+        "trl.temperature=0",
+        "trl.temperature must be a finite number > 0 (got 0.0): the training rollouts' sampling temperature",
+    ),
+    ("trl.per_device_train_batch_size=0", "trl.per_device_train_batch_size must be >= 1 (got 0)"),
+    ("trl.gradient_accumulation_steps=0", "trl.gradient_accumulation_steps must be >= 1 (got 0)"),
+    ("model.max_completion_length=0", "model.max_completion_length must be >= 1 (got 0)"),
+    (
+        "trl.epsilon=-0.2",
+        "trl.epsilon must be a finite number > 0 (got -0.2): the importance ratio is clipped to "
+        "[1 - epsilon, 1 + epsilon_high]",
+    ),
+    ("eval.ks=[2,1,1]", "eval.ks=[2,1,1] must be increasing, each k once: give eval.ks=[1,2]"),
+]
+
+
+def store_runs(store: Path) -> list:
+    """Every run of an SQLite MLflow store, whatever its state (none if the file was never made)."""
+    from mlflow.tracking import MlflowClient
+
+    if not store.exists():
+        return []
+    client = MlflowClient(f"sqlite:///{store}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments, run_view_type=3) if experiments else []
+
+
+def refused_before_anything(r: subprocess.CompletedProcess, tmp_path: Path) -> str:
+    """A refusal as issue 56 asks for it: exit 1 or 2, at most 3 lines of output, no MLflow run and nothing in
+    the run's folder (but the empty main.log Hydra's logging opens as the job starts); returns its line."""
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode in (1, 2) and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert store_runs(tmp_path / "mlflow.db") == []
+    out = tmp_path / "out"
+    left = {p.name: p.stat().st_size for p in out.iterdir()} if out.exists() else {}
+    assert left in ({}, {"main.log": 0}), left
+    return one_error_line(r)
+
+
+def sage_train_in(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """sage-train with its own MLflow store and run folder under ``tmp_path``."""
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **env}
+    return prefork.run(
+        [sys.executable, "-m", "sage.train", *args, f"output_dir={tmp_path / 'out'}"],
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **store},
+    )
+
+
+@pytest.mark.parametrize("override, message", PROBES)
+def test_each_probe_of_issue_56_is_one_line_before_any_run(override, message, tmp_path):
+    r = sage_train_in(tmp_path, override)
+    assert refused_before_anything(r, tmp_path) == f"error: {message}"
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (  # a library check TRL makes itself, named by the keys it is about
+            ["trl.num_generations=3"],
+            "trl.generation_batch_size=null, trl.num_generations=3: GRPOConfig refuses it: "
+            "generation_batch_size (64) must be divisible by num_generations (3).",
+        ),
+        (
+            ["trl.optim=nosuch"],
+            "trl.optim=nosuch: GRPOConfig refuses it: nosuch is not a valid OptimizerNames",
+        ),
+        (
+            ["model=tiny_sft", "model.sft.args.lr_scheduler_type=greedy"],
+            "model.sft.args.lr_scheduler_type=greedy: SFTConfig refuses it: lr_scheduler_type greedy "
+            "requires an eval strategy",
+        ),
+        (["trl.epsilon_high=0"], "trl.epsilon_high must be a finite number > 0 (got 0.0)"),
+        (["trl.delta=-1"], "trl.delta must be a finite number > 0 (got -1.0)"),
+        (["trl.per_device_eval_batch_size=0"], "trl.per_device_eval_batch_size must be >= 1 (got 0)"),
+        (
+            ["model=tiny_sft", "model.sft.args.gradient_accumulation_steps=0"],
+            "model.sft.args.gradient_accumulation",
+        ),
+        (
+            ["model.max_completion_length=500"],
+            "model.max_completion_length=500 is longer than the model's context of 128 tokens (the testbed "
+            "model's max_position_embeddings)",
+        ),
+    ],
+)
+def test_trl_and_its_ranges_refuse_at_config_time_naming_the_key(overrides, line):
+    from sage.trl_checks import check_trl
+
+    cfg = cfg_for(*overrides)
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+        check_trl(cfg, processes=1, preset="testbed")
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+
+
+def test_sound_trl_values_pass_and_the_check_joins_no_process_group(monkeypatch):
+    """What a run takes passes; the check sees the launcher's processes without joining their group (TRL's
+    TrainingArguments would, on construction, before sage's own init with its timeout)."""
+    import torch.distributed as dist
+
+    from sage.trl_checks import check_trl
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's, with no rendezvous to join: joining would fail
+    monkeypatch.setenv("RANK", "0")
+    for overrides in [(), ("model=tiny_chat",), ("trl.epsilon_high=0.28", "trl.delta=1.5")]:
+        cfg = cfg_for("trl.per_device_train_batch_size=32", *overrides)
+        validate(cfg)
+        assert check_trl(cfg, processes=2, preset="testbed") is None
+    assert not dist.is_initialized()
+    # TRL's own checks see the run's processes: 4 per forward pass x 2 processes is a whole group of 8
+    cfg = cfg_for("trl.per_device_train_batch_size=4", "trl.steps_per_generation=1")
+    assert check_trl(cfg, processes=2, preset=None) is None
+    with pytest.raises(ConfigError, match="must be divisible by num_generations"):
+        check_trl(cfg, processes=1, preset=None)
+
+
+def test_the_plan_refuses_what_sage_train_refuses(capsys):
+    """python -m sage.train.memory runs the same checks, in the same line, bar what depends on the planning
+    machine: the paper's 8-bit Adam, bf16 and vLLM engine are the cluster's to check."""
+    from sage.train.memory import main
+
+    for override, message in PROBES:
+        assert main([override]) == 2, override
+        assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert main(["model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"]) == 0, capsys.readouterr().err

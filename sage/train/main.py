@@ -84,19 +84,11 @@ def library_config(node: DictConfig, **runtime):
 
 
 def grpo_args(cfg: DictConfig, output_dir: Path):
-    """TRL's GRPOConfig: the ``trl`` node (TRL's own keys), plus the facts that have their key elsewhere."""
-    from sage.models import policy_dtype  # full fine-tuning keeps float32 master weights
+    """TRL's GRPOConfig: the ``trl`` node (TRL's own keys), plus the facts that have their key elsewhere
+    (``sage.trl_checks.grpo_runtime``, which the plan-time check builds it with too)."""
+    from sage.trl_checks import grpo_runtime
 
-    dtype = policy_dtype(str(cfg.model.dtype), lora=cfg.model.lora is not None)
-    return library_config(
-        cfg.trl,
-        output_dir=str(output_dir),
-        seed=cfg.seed,
-        beta=cfg.divergence.beta,
-        use_bias_correction_kl=bool(cfg.divergence.get("importance_weighted", False)),
-        max_completion_length=cfg.model.max_completion_length,
-        model_init_kwargs={"dtype": dtype, **(cfg.trl.model_init_kwargs or {})},
-    )
+    return library_config(cfg.trl, output_dir=str(output_dir), **grpo_runtime(cfg))
 
 
 def rollout_function(cfg: DictConfig, args):
@@ -399,8 +391,12 @@ def _set_aside(folder: Path, aside: Path, why: str) -> None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     from sage.train.memory import check_rollout
+    from sage.trl_checks import check_trl
 
     validate(cfg)
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    # every process refuses alike, before the process group: TRL's keys and the preset's batch
+    batch_warning = check_trl(cfg, distributed.world_size(), choices.get("trl"))
     check_rollout(cfg)
     # Only the main process records (start_run below), so only it opens the store: N processes probing one
     # server (or one SQLite file) at once is load and lock contention for nothing. The launcher's rank
@@ -408,12 +404,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # the main process exits and the launcher (torchrun, srun) stops the others.
     if distributed.is_main():
         check_store(cfg)
-        from sage.train.memory import run_batch_warning
-
-        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-        warning = run_batch_warning(cfg, distributed.world_size(), choices.get("trl"))
-        if warning:  # the run's step against its trl preset's, said once
-            log.warning(warning)
+        if batch_warning:  # the run's step against its trl preset's, said once
+            log.warning(batch_warning)
     divergence, guide = build_parts(cfg)
     distributed.init(timeout_s=cfg.trl.ddp_timeout)  # the Trainer's own timeout, for the group made here
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
