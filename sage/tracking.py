@@ -672,14 +672,20 @@ def point_eval_run_at(cfg: DictConfig, record: dict, checkpoint: str) -> None:
 
 @contextmanager
 def start_run(
-    cfg: DictConfig, out: Path, kind: str, resume: bool = True, key: str | None = None
+    cfg: DictConfig,
+    out: Path,
+    kind: str,
+    resume: bool = True,
+    key: str | None = None,
+    what: tuple[str, dict[str, str]] | None = None,
 ) -> Iterator[Tracker | None]:
     """Open (or, with ``resume``, re-open) the MLflow run of ``out``; ``kind`` is train or eval. Without
     ``resume`` a run an earlier attempt left in ``out`` is closed as FAILED and a new one starts, so two
     attempts never merge into one run. ``key`` (sage-eval: a hash of the settings its numbers depend on)
     gives ``out`` one run per key, recorded in ``mlflow_run_id.<key>`` and tagged ``sage.settings_key``.
-    Yields None when ``tracking.enabled=false``. The run ends FINISHED, KILLED on Ctrl-C, FAILED on any
-    other exception."""
+    ``what`` (sage-eval: what it evaluated) is a new run's name, unless ``tracking.run_name`` gives one, and
+    tags of its own. Yields None when ``tracking.enabled=false``. The run ends FINISHED, KILLED on Ctrl-C,
+    FAILED on any other exception."""
     if not cfg.tracking.enabled:
         yield None
         return
@@ -729,11 +735,14 @@ def start_run(
             tags["method"] = method
         if key is not None:
             tags["sage.settings_key"] = key
+        if what is not None:
+            tags.update(what[1])
         tags = {k: redact(v) for k, v in tags.items()}
         if cfg.tracking.parent_run_id:
             tags[PARENT_TAG] = str(cfg.tracking.parent_run_id)
         tags = {**tags, NOTE_TAG: RUN_NOTE}
-        run = client.create_run(exp_id, run_name=run_name(cfg), tags=tags)
+        name = what[0] if what is not None and not cfg.tracking.run_name else run_name(cfg)
+        run = client.create_run(exp_id, run_name=name, tags=tags)
         run_id = run.info.run_id
         id_file.write_text(run_id)
         _write_record(id_file, run_id, uri)

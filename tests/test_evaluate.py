@@ -902,3 +902,82 @@ def test_the_answer_cap_is_a_checked_grading_setting(tmp_path):
     assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
     assert lines[-1].startswith("error: grading.max_answer_chars must be >= 1 (got 0)")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def grpo_branch_run(tmp_path_factory) -> tuple[Path, str]:
+    """(run folder, MLflow store) of a one-step sage-train run, experiment=grpo_branch seed=3."""
+    tmp = tmp_path_factory.mktemp("trained")
+    store = f"sqlite:///{tmp / 'mlflow.db'}"
+    out = tmp / "run"
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", "experiment=grpo_branch", "seed=3", "trl.max_steps=1"]
+        + ["trl.per_device_train_batch_size=8", "trl.num_generations=4", "eval.at_end=false"]
+        + [f"output_dir={out}", f"tracking.uri={store}"],
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out, store
+
+
+EVAL_SHRINK = ["eval.n_samples=2", "eval.ks=[1,2]", "eval.limit=4"]
+
+
+@pytest.mark.slow
+def test_a_sage_eval_run_is_named_and_tagged_by_what_it_evaluated(grpo_branch_run, tmp_path):
+    """Issue 56: every sage-eval run was named ``run`` in MLflow, with no method tag. A sage-train checkpoint
+    is named by its run's method and seed, the base model by its model option."""
+    from mlflow.tracking import MlflowClient
+
+    out, store = grpo_branch_run
+    client = MlflowClient(store)
+    trained = sage_eval(f"checkpoint={out / 'final'}", *EVAL_SHRINK, f"tracking.uri={store}")
+    run = client.get_run(mlflow_run_of(trained))
+    assert run.info.run_name == "grpo_branch-s3/final"
+    assert (run.data.tags["method"], run.data.tags["seed"]) == ("grpo_branch", "3")
+    base = sage_eval(*EVAL_SHRINK, f"tracking.uri={store}", f"output_dir={tmp_path / 'base'}")
+    run = client.get_run(mlflow_run_of(base))
+    assert run.info.run_name == "base/tiny" and run.data.tags["method"] == "base"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_arith", "tiny_chat"])
+def test_a_checkpoint_given_another_model_option_is_one_line(grpo_branch_run, model):
+    """Issue 56: a model=tiny checkpoint under model=tiny_arith was evaluated with no word (another
+    testbed world's option); under model=tiny_chat the line blamed the chat template. Both now name the
+    option the checkpoint was trained from, before any results folder or MLflow run."""
+    out, store = grpo_branch_run
+    r = sage_eval(f"checkpoint={out / 'final'}", f"model={model}", f"tracking.uri={store}", check=False)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) <= 3, (r.stdout + r.stderr)[-3000:]
+    assert lines[-1].startswith(f"error: checkpoint={out / 'final'} was trained from model=tiny (its run's ")
+    assert f"but model={model} is given" in lines[-1] and lines[-1].endswith("evaluate it with model=tiny")
+    assert not (out / "final" / "eval").exists()
+
+
+@pytest.mark.slow
+def test_two_sage_evals_of_one_checkpoint_at_once_record_one_run(grpo_branch_run, tmp_path):
+    """Issue 56: two sage-eval processes started together on one checkpoint and settings both complete,
+    sample each cell once between them and continue one MLflow run: nothing lost or recorded twice."""
+    from mlflow.tracking import MlflowClient
+
+    out, store = grpo_branch_run
+    results = tmp_path / "both"
+    command = [sys.executable, "-m", "sage.eval", f"checkpoint={out / 'final'}", *EVAL_SHRINK]
+    command += [f"tracking.uri={store}", f"output_dir={results}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    both = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    both.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = [p.communicate(timeout=900) for p in both]
+    assert [p.returncode for p in both] == [0, 0], [err[-3000:] for _, err in done]
+    run_ids = {mlflow_run_of(subprocess.CompletedProcess([], 0, stdout, "")) for stdout, _ in done}
+    client = MlflowClient(store)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("sage").experiment_id], f"tags.output_dir = '{results}'"
+    )
+    assert [r.info.run_id for r in runs] == list(run_ids) and runs[0].info.status == "FINISHED"
+    assert len(client.get_metric_history(runs[0].info.run_id, "pass_at_1/final/arith_heldout")) == 1
+    summary = json.loads((results / "results.json").read_text())["datasets"]["arith_heldout"]
+    assert summary["n_problems"] == 4
+    assert len(list((results / "arith_heldout").glob("*_seed0"))) == 1

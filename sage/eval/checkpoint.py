@@ -220,3 +220,41 @@ def check_prompt_format(path: str, chat: bool) -> None:
         f"checkpoint={path} has a chat tokenizer (a chat template) but model.chat=false: choose the model "
         "option it was trained with (e.g. model=tiny_chat), or one with chat: true"
     )
+
+
+def training_run(checkpoint: Path) -> Path | None:
+    """The sage-train run folder that saved ``checkpoint`` (its ``final/``, ``final-step-N/`` or
+    ``rl/checkpoint-N/``): the folder holding the run's config.yaml and Hydra's record of its choices
+    (.hydra/hydra.yaml); None for a folder no sage-train run saved."""
+    run = checkpoint.parent.parent if checkpoint.parent.name == "rl" else checkpoint.parent
+    if (run / "config.yaml").is_file() and (run / ".hydra" / "hydra.yaml").is_file():
+        return run
+    return None
+
+
+def check_model_option(path: str, model_cfg, model_choice: str | None) -> None:
+    """A sage-train checkpoint must be evaluated under the model option it was trained from: its run's
+    ``model.source`` (what the weights started as: their architecture, tokenizer and, for the testbed, the
+    world they were trained on). Another option's prompt format, lengths and dtype would be applied to
+    weights made for others, so the mismatch is one line naming both options, before anything is created.
+    A folder no sage-train run saved is not checked here (its prompt format is, by check_prompt_format)."""
+    from omegaconf import OmegaConf
+
+    run = training_run(Path(path))
+    if run is None:
+        return
+    try:
+        trained = OmegaConf.load(run / "config.yaml")
+        choice = OmegaConf.load(run / ".hydra" / "hydra.yaml").hydra.runtime.choices.get("model")
+        source = OmegaConf.to_container(trained.model.source, resolve=False)
+    except Exception:  # noqa: BLE001 (a damaged record of the run: nothing to compare against)
+        return
+    given = OmegaConf.to_container(model_cfg.source, resolve=False)
+    if source == given:
+        return
+    differ = sorted(k for k in set(source) | set(given) if source.get(k) != given.get(k))
+    raise ConfigError(
+        f"checkpoint={path} was trained from model={choice} (its run's {run / 'config.yaml'}), but "
+        f"model={model_choice or '?'} is given, whose model.source differs in {', '.join(differ)}: "
+        f"evaluate it with model={choice}"
+    )

@@ -43,7 +43,7 @@ from sage.config import (
     sampling_dtype,
 )
 from sage.metrics import metric_name
-from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
+from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key, folder_lock
 from sage.reaper import reap_on_exit
 from sage.run_folder import reading
 from sage.tracking import check_store, start_run
@@ -76,7 +76,12 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
     from sage.eval.analyses import log_analyses
-    from sage.eval.checkpoint import Checkpoint, check_checkpoint_folder, check_prompt_format
+    from sage.eval.checkpoint import (
+        Checkpoint,
+        check_checkpoint_folder,
+        check_model_option,
+        check_prompt_format,
+    )
     from sage.eval.evaluate import check_prompt_lengths, evaluate_model, format_table, load_eval_rows
     from sage.grading import GradingPool
 
@@ -89,6 +94,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_store(cfg)
     if cfg.checkpoint is not None:
         check_checkpoint_folder(cfg.checkpoint)
+        check_model_option(cfg.checkpoint, cfg.model, hydra_choices().get("model"))
         check_prompt_format(cfg.checkpoint, cfg.model.chat)
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
@@ -118,7 +124,14 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         # One MLflow run per (results folder, settings key): other settings are another run, so a run's
         # numbers are those of its settings; the same settings again continue their run and log only what is
         # missing.
-        with start_run(cfg, results_dir, kind="eval", key=key) as tracker:
+        # Two sage-evals of one folder and settings at once take turns: each would otherwise find no run
+        # recorded, create its own and log every metric, the second's id file replacing the first's. The
+        # second waits (a line says on whom), continues the first's run and logs only what is missing.
+        turn = folder_lock(results_dir / f"evaluation.{key}")
+        with (
+            turn,
+            start_run(cfg, results_dir, kind="eval", key=key, what=evaluated(cfg, model_path)) as tracker,
+        ):
             if tracker is not None:
                 tracker.set_tag("checkpoint", model_path)
             res = evaluate_model(
@@ -157,6 +170,52 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
         if tracker is not None:
             print(f"MLflow run: {tracker.run_id}")
     return summaries
+
+
+def hydra_choices() -> dict[str, str]:
+    """The group options this command chose (model=tiny, ...); empty outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+
+
+def evaluated(cfg: DictConfig, model_path: str) -> tuple[str, dict[str, str]]:
+    """(run name, tags) saying what a sage-eval run evaluated: a sage-train checkpoint by its run's method
+    and seed (``grpo_branch-s1/final``, tags method and seed, as sage-train names and tags its run: the
+    run folder's config.yaml and Hydra's choices in its .hydra/ give them to ``tracking.method_of``); the
+    model group's base model as ``base/<model>`` (method ``base``, as sage-report names the start model);
+    any other folder by its name. Never ``run``: every evaluation in the store says what it measured."""
+    if cfg.checkpoint is None:
+        model = hydra_choices().get("model") or str(cfg.model.get("name") or Path(model_path).name)
+        return f"base/{model}", {"method": "base", "model": model}
+    folder = Path(model_path)
+    run = trained_by(folder)
+    if run is None:
+        return folder.name, {"model": folder.name}
+    method, seed = run
+    return f"{method}-s{seed}/{folder.name}", {"method": method, "seed": str(seed)}
+
+
+def trained_by(checkpoint: Path) -> tuple[str, int] | None:
+    """(method, seed) of the sage-train run that saved ``checkpoint`` (its ``final/``, ``final-step-N/`` or
+    ``rl/checkpoint-N/``), read from the run folder; None for a folder no sage-train run saved."""
+    from omegaconf import OmegaConf
+
+    from sage.eval.checkpoint import training_run
+    from sage.tracking import method_of
+
+    run = training_run(checkpoint)
+    if run is None:
+        return None
+    try:
+        trained = OmegaConf.load(run / "config.yaml")
+        choices = dict(OmegaConf.load(run / ".hydra" / "hydra.yaml").hydra.runtime.choices)
+    except Exception:  # noqa: BLE001 (a damaged record of the run only loses the name it would give)
+        log.warning("%s: its run's config cannot be read; the MLflow run is named by the folder", checkpoint)
+        return None
+    method = method_of(trained, choices)
+    seed = trained.get("seed")
+    return (method, int(seed)) if method and seed is not None else None
 
 
 def settings_key(cfg: DictConfig, model_path: str, rows: dict[str, list[dict]], max_new_tokens: int) -> str:
