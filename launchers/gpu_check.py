@@ -3,24 +3,27 @@
     make wheelhouse                       # here (network): the wheels sage needs there, and the testbed model
     make gpu-check                        # there: installs wheelhouse/, then both stages (exit 1: a failure)
     python3 -m launchers.gpu_check --install [--stage a|b|all] [--logs DIR]   # the same without make
-    python -m launchers.gpu_check --dry-run   # any machine: the commands, each stage's config composed
+    python -m launchers.gpu_check --dry-run   # any machine: the configs composed, stage b's pass on a CPU
 
 a. The CUDA path without vLLM: ``sage-train`` with ``rollout=hf`` on the testbed's chat model
    (``model=tiny_chat``: LoRA SFT, merged, then LoRA RL, the paper model's path at 1M parameters), GRPO with
    the Branch guide under k3 (``experiment=grpo_branch``: ``divergence=reverse_kl``), bfloat16 weights and
    autocast, 3 optimiser steps and a tiny evaluation of the base and trained models.
-b. The paper's shape: a randomly initialised Qwen2 with Qwen2.5-Math-7B's layer shapes (built on the GPU in
-   bfloat16 from ``sage/train/architectures.json``; the testbed's ChatML tokenizer, whose ids the model's
-   larger vocabulary contains, so sampled ids past it decode to nothing), LoRA GRPO + Branch at
-   ``trl=paper``'s batch (1 completion per forward pass, 8 prompts x 8 generations per step), 64-token
-   completions, 2 steps, no evaluation. Its peak GPU memory (the allocator's, in the training process) is set
-   beside the memory plan's estimate for the same shape (``python -m sage.train.memory``, the longest
-   prompt of the run's data): the check fails when the plan underestimates by more than :data:`TOLERANCE`.
+b. The paper's shape, teacher-forced: a randomly initialised Qwen2 with Qwen2.5-Math-7B's layer shapes (built
+   on the GPU in bfloat16 from ``sage/train/architectures.json``), made as sage-train makes the policy from
+   ``model=qwen2.5-math-7b trl=paper`` (its LoRA adapter, TRL's fused LM head, gradient checkpointing), and
+   one forward and backward of the preset's micro-batch (``trl.per_device_train_batch_size``: 1 sequence)
+   of :data:`PROMPT_TOKENS` prompt and 2,048 completion tokens given, not generated, scored as TRL's loss
+   pass scores them. Its working set (the allocator's peak during the pass less what was allocated before
+   it) is set beside the memory plan's terms for one micro-batch, activations + logits
+   (``sage.train.memory.estimate`` for the same shape): the check fails when the plan underestimates by more
+   than :data:`TOLERANCE`. The dry run runs this pass on the CPU on a shrunk shape (``SHRUNK``).
 
-Both stages run with ``tracking.enabled=false`` (MLflow is not carried) and the AdamW of torch (bitsandbytes'
-8-bit one is not carried either). Each step prints a ``gpu check: step N`` line (its wall time and the peak
-memory so far) through the ``callbacks`` node. The end is a summary block for docs/results/gpu_check.md.
-A stage's output and the summary go to ``--logs`` (default: the run folder under outputs/gpu_check/).
+Stage a runs with ``tracking.enabled=false`` (MLflow is not carried) and the AdamW of torch (bitsandbytes'
+8-bit one is not carried either); each of its steps prints a ``gpu check: step N`` line (its wall time and
+the peak memory so far) through the ``callbacks`` node. The end is a summary block for
+docs/results/gpu_check.md. A stage's output and the summary go to ``--logs`` (default: the run folder under
+outputs/gpu_check/).
 
 ``--install`` first installs ``wheelhouse/requirements.txt`` from ``wheelhouse/`` alone (no index, no
 dependency resolution: ``python -m launchers.wheelhouse --check`` vouched for the set) into the environment
@@ -41,7 +44,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +54,10 @@ PAPER_MODEL = "Qwen/Qwen2.5-Math-7B"
 TOLERANCE = 0.15
 # guards against a hang; a lent machine runs one command for at most 10 minutes, so a stage that needs
 # longer than its guard is run alone (--stage)
-STAGE_TIMEOUT_S = {"a": 240, "build": 150, "b": 300}
+STAGE_TIMEOUT_S = {"a": 240, "b": 300}
+# the longest prompt stage b's pass takes: the memory plan's default (python -m sage.train.memory's
+# prompt_tokens), an assumption about the paper's data, since TRL does not truncate prompts
+PROMPT_TOKENS = 1024
 # the callbacks entry that prints a line per optimiser step (step_report below)
 STEP_CALLBACK = "+callbacks.gpu_check._target_=launchers.gpu_check.step_report"
 COMMON = [
@@ -68,17 +73,20 @@ TINY_EVAL = [
     "eval.seeds=[0]",
     "eval.perplexity_cap=0",
 ]
-# a small Qwen2 with the paper model's vocabulary: stage b's path on a CPU (tests/test_gpu_check.py)
+# a small Qwen2: stage b's pass on a CPU at the paper's lengths (the dry run, which tests/test_gpu_check.py
+# runs). Its vocabulary is small too: the paper's 152,064 make the LM head's 2,048 x 152,064 log-softmax the
+# whole of the pass's time and memory on a CPU, and the path through the fused head is the same.
 SHRUNK = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
+    "vocab_size": 4096,
 }
 STEP = re.compile(r"gpu check: step (\d+): ([\d.]+) s, peak memory ([\d.]+) GiB \(([^)]*)\)")
 BATCH = re.compile(r"longest micro-batch (\d+) x \((\d+) prompt \+ (\d+) completion\)")
-PLAN_TOTAL = re.compile(r"memory estimate per GPU: ([\d.]+) GiB")
+TEACHER_FORCED = re.compile(r"^teacher forced: (\{.*\})$", re.M)
 
 
 def stage_a(out: Path, cpu: bool = False) -> list[str]:
@@ -102,49 +110,32 @@ def stage_a(out: Path, cpu: bool = False) -> list[str]:
     ]
 
 
-def stage_b_shape(steps: int = 2) -> list[str]:
-    """Stage b's overrides that the memory plan takes as they are (the model's shape and the batch)."""
+def stage_b_shape() -> list[str]:
+    """Stage b's sage-train overrides: the paper model's config at ``trl=paper`` (its micro-batch, its LoRA,
+    its gradient checkpointing, bfloat16) and its 2,048-token completions (``model.max_completion_length``'s
+    default). The teacher-forced pass reads its shape from this config composed, and plans the same config
+    with the memory plan's own terms."""
     return [
         "model=qwen2.5-math-7b",
         *COMMON,
         "trl=paper",
         "trl.optim=adamw_torch",  # bitsandbytes is not carried
-        f"trl.max_steps={steps}",
         "model.sft=null",  # its data is on the hub; the random model has nothing to learn from it
-        "model.max_completion_length=64",
         "model.dtype=bfloat16",
         "trl.bf16=true",
-        "eval.at_end=false",  # the peak is training's
-        "eval.backend=hf",
+        "eval.at_end=false",
     ]
 
 
-def stage_b(out: Path, folder: Path, steps: int = 2) -> list[str]:
-    """Stage b's sage-train overrides: the shape, on the random model in ``folder``."""
-    return [*stage_b_shape(steps), f"model.source.repo_id={folder}", STEP_CALLBACK, f"output_dir={out}"]
+def teacher_forced_command(shrink: bool = False) -> list[str]:
+    """Stage b's process: the random model built on the device, one teacher-forced forward and backward."""
+    return [sys.executable, "-m", "launchers.gpu_check", "--teacher-forced"] + (
+        ["--shrink"] if shrink else []
+    )
 
 
 def train_command(overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "sage.train", *overrides]
-
-
-def plan_command(shape: list[str], prompt_tokens: int, gpu_gib: float) -> list[str]:
-    """The memory plan of stage b's shape. The architecture is the stored copy of the paper model's
-    config.json, which the random model is built from."""
-    return [
-        sys.executable,
-        "-m",
-        "sage.train.memory",
-        *shape,
-        f"prompt_tokens={prompt_tokens}",
-        f"gpu_gib={gpu_gib:g}",
-    ]
-
-
-def build_command(folder: Path, shrink: bool = False) -> list[str]:
-    return [sys.executable, "-m", "launchers.gpu_check", "--build-random-model", str(folder)] + (
-        ["--shrink"] if shrink else []
-    )
 
 
 def shown(command: list[str]) -> str:
@@ -157,7 +148,7 @@ def shown(command: list[str]) -> str:
 
 
 def step_report():
-    """The ``callbacks`` entry of both stages: a TrainerCallback printing, per optimiser step, its wall time
+    """The ``callbacks`` entry of stage a: a TrainerCallback printing, per optimiser step, its wall time
     and this process's peak memory so far (the CUDA allocator's peak, else the peak RSS)."""
     import torch
     from transformers import TrainerCallback
@@ -184,42 +175,144 @@ def step_report():
     return StepReport()
 
 
-def build_random_model(folder: Path, shrink: bool = False) -> None:
-    """A Qwen2 with the paper model's shapes (``SHRUNK`` ones with ``shrink``) and random weights into
-    ``folder``, with the testbed's ChatML tokenizer: built on the GPU in bfloat16 where there is one (no
-    float32 copy on the way), else on the CPU in float32."""
+def teacher_forced(shrink: bool = False) -> dict:
+    """Stage b's pass, in this process: a Qwen2 with the paper model's shapes (``SHRUNK`` ones with
+    ``shrink``) and random weights built on the device (on a GPU in the dtype sage-train loads the policy in,
+    no copy on the way; on a CPU in float32), made as sage-train's trainer makes it from stage b's config (its
+    LoRA adapter, TRL's fused LM head, gradient checkpointing), then one forward and backward of a micro-batch
+    of ``trl.per_device_train_batch_size`` sequences of PROMPT_TOKENS random prompt tokens and
+    ``model.max_completion_length`` completion tokens, teacher-forced (the completion is given, not
+    generated), scored as TRL's loss pass scores it (the completion tokens' log-probabilities, under bfloat16
+    autocast with ``trl.bf16``). Returns the shape, the allocator's memory before the pass (``resident``) and
+    its peak during it (CUDA only), and the memory plan's terms for the same shape and dtype."""
     import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
+    from trl.trainer.utils import add_fused_lm_head
 
-    from sage.testbed.tokenizer import build_tokenizer
-    from sage.train.memory import ARCH_FILE
+    from sage.config import register_configs
+    from sage.models import lora_config
+    from sage.paths import CONF_DIR
+    from sage.train.memory import ARCH_FILE, GIB, Architecture, batch_of, estimate, training_dtype
 
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=stage_b_shape())
     shapes = dict(json.loads(ARCH_FILE.read_text())["models"][PAPER_MODEL])
     if shrink:
         shapes.update(SHRUNK)
-    tokenizer = build_tokenizer(chat=True)
-    if len(tokenizer) > shapes["vocab_size"]:
-        raise ValueError(
-            f"the tokenizer's {len(tokenizer)} ids do not fit a vocabulary of {shapes['vocab_size']}"
-        )
-    ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
-    config = Qwen2Config(**shapes, **ids)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    started = time.perf_counter()
+    arch = Architecture.from_config(shapes)
+    batch = batch_of(cfg, PROMPT_TOKENS, 1)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = training_dtype(cfg) if cuda else "float32"
+    t = cfg.trl
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for key, value in ids.items():
-        setattr(model.generation_config, key, value)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(
-        f"random model: {model.num_parameters() / 1e9:.2f}B parameters ({PAPER_MODEL}'s shapes"
-        f"{', shrunk' if shrink else ''}, vocabulary {shapes['vocab_size']}), {dtype}, built and saved in "
-        f"{time.perf_counter() - started:.0f} s on {where.replace(' ', '_')}"
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shapes), dtype=getattr(torch, dtype))
+    model = get_peft_model(model, lora_config(cfg))
+    # as GRPOTrainer does: the log-probabilities of the scored tokens, in tiles, without the full logits
+    add_fused_lm_head(
+        model.get_base_model(),
+        temperature=float(t.temperature),
+        cast_lm_head_to_fp32=bool(t.cast_lm_head_to_fp32),
+        outputs=("log_probs", "entropy"),
     )
+    if t.gradient_checkpointing:  # as transformers' Trainer and TRL enable it for a peft model
+        kwargs = (
+            OmegaConf.to_container(t.gradient_checkpointing_kwargs)
+            if t.gradient_checkpointing_kwargs
+            else None
+        )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.enable_input_require_grads()
+    model.train()
+    length = batch.prompt_tokens + batch.completion_tokens
+    ids = torch.randint(0, arch.vocab_size, (batch.micro, length), device=device)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, : batch.prompt_tokens] = -100  # only the completion is scored, as TRL's labels say
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated() / GIB if cuda else None
+    started = time.perf_counter()
+    with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=cuda and bool(t.bf16)):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    logps = out.log_probs[:, -batch.completion_tokens :]
+    (-logps.mean()).backward()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.requires_grad]
+    lora = (int(cfg.model.lora.r), list(cfg.model.lora.target_modules))
+    planned = estimate(
+        arch,
+        batch,
+        lora=lora,
+        beta=float(cfg.divergence.beta),
+        optim=str(t.optim),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        vllm_fraction=0.0,  # no engine in this pass
+        gpu_gib=0.0,
+        dtype=dtype,
+    )
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "parameters": model.get_base_model().num_parameters(),
+        "vocabulary": arch.vocab_size,
+        "dtype": dtype,
+        "micro": batch.micro,
+        "prompt_tokens": batch.prompt_tokens,
+        "completion_tokens": batch.completion_tokens,
+        "gradient_checkpointing": bool(t.gradient_checkpointing),
+        "scored": int(torch.isfinite(logps).sum()),
+        "adapter_gradients": sum(int(g is not None and bool(g.abs().sum() > 0)) for g in grads),
+        "adapter_tensors": len(grads),
+        "wall_s": round(wall, 3),
+        "resident_gib": resident,
+        "peak_gib": peak,
+        "planned": {k: planned[k] for k in ("weights", "trainable_state", "activations", "logits")},
+    }
+
+
+def describe_pass(result: dict) -> list[str]:
+    """The pass's lines: what ran, and the plan's training terms for it."""
+    shape = (
+        f"{result['micro']} x ({result['prompt_tokens']} prompt + {result['completion_tokens']} completion) "
+        "tokens"
+    )
+    planned = result["planned"]
+    return [
+        f"pass: {result['parameters']:,} parameters (vocabulary {result['vocabulary']}), "
+        f"{result['dtype']}, on {result['device']}: one teacher-forced forward and backward over {shape}, "
+        f"gradient checkpointing {'on' if result['gradient_checkpointing'] else 'off'}, "
+        f"{result['scored']} completion log-probabilities, {result['adapter_gradients']} of "
+        f"{result['adapter_tensors']} adapter tensors with a gradient, {result['wall_s']:.1f} s",
+        "plan: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in planned.items())
+        + " GiB (sage.train.memory.estimate, "
+        "the same shape and dtype)",
+    ]
+
+
+def pass_verdict(result: dict) -> tuple[bool, list[str]]:
+    """Whether the plan's working set of a micro-batch (activations + logits) held for the measured one (the
+    peak during the pass less what was allocated before it, within TOLERANCE), and the lines saying so;
+    the resident memory beside the plan's weights and adapter."""
+    planned = result["planned"]
+    held, verdict = memory_verdict(
+        result["peak_gib"] - result["resident_gib"], planned["activations"] + planned["logits"]
+    )
+    return held, [
+        f"working set (peak during the pass less before it) against the plan's activations + logits: "
+        f"{verdict}",
+        f"resident before the pass: {result['resident_gib']:.2f} GiB (plan: weights "
+        f"{planned['weights']:.2f} + the adapter, without its gradient and moments)",
+    ]
 
 
 # ---------------------------------------------------------------- the launcher
@@ -278,7 +371,7 @@ def eval_table(text: str) -> list[str]:
 
 
 def memory_verdict(peak: float, planned: float) -> tuple[bool, str]:
-    """Whether the plan held (the measured peak at most TOLERANCE above it), and the line saying so."""
+    """Whether the plan held (the measured figure at most TOLERANCE above it), and the line saying so."""
     over = peak / planned - 1
     held = over <= TOLERANCE
     verdict = "within" if held else "UNDERESTIMATED: beyond"
@@ -305,67 +398,26 @@ def run_stage_a(root: Path, logs: Path, env: dict[str, str]) -> Stage:
     return stage
 
 
-def run_stage_b(
-    root: Path, logs: Path, env: dict[str, str], model_dir: Path | None
-) -> tuple[Stage, bool | None]:
-    """Stage b, and whether the plan held (the measured peak at most TOLERANCE above the estimate; None:
-    nothing to compare)."""
+def run_stage_b(logs: Path, env: dict[str, str]) -> tuple[Stage, bool | None]:
+    """Stage b, and whether the plan held (the measured working set at most TOLERANCE above the plan's
+    activations + logits; None: nothing to compare)."""
     stage = Stage(
-        "b", "random Qwen2.5-Math-7B shapes, LoRA GRPO + Branch (k3), trl=paper batch, 64 tokens, 2 steps"
+        "b",
+        f"random Qwen2.5-Math-7B shapes, trl=paper micro-batch, {PROMPT_TOKENS} + 2048 tokens teacher-forced",
     )
-    folder = Path(tempfile.mkdtemp(prefix="sage-gpu-check-7b-", dir=model_dir))
-    held = None
-    try:
-        rc, text, _ = run_logged(build_command(folder), logs / "b_build.log", STAGE_TIMEOUT_S["build"], env)
-        if rc != 0:
-            stage.notes.append(f"building the random model failed (exit {rc})")
-            print(failure(text))
-            return stage, held
-        stage.notes.append(next((line for line in text.splitlines() if line.startswith("random model:")), ""))
-        rc, text, stage.wall_s = run_logged(
-            train_command(stage_b(root / "b", folder)), logs / "b.log", STAGE_TIMEOUT_S["b"], env
-        )
-        stage.steps = parse_steps(text)
-        batch = BATCH.search(text)
-        stage.ok = rc == 0 and len(stage.steps) == 2 and batch is not None
-        if not stage.ok:
-            stage.notes.append(
-                f"exit {rc}{' (timed out)' if rc == 124 else ''}; {len(stage.steps)} step lines"
-            )
-            print(failure(text))
-            return stage, held
-        prompt_tokens = int(batch.group(2))
-        stage.notes.append(batch.group(0))
-        plan = plan_command(stage_b_shape(), prompt_tokens, gpu_gib())
-        print(f"$ {shown(plan)}", flush=True)
-        r = subprocess.run(plan, capture_output=True, text=True, env=env, cwd=REPO)
-        (logs / "b_plan.txt").write_text(r.stdout + r.stderr)
-        print(r.stdout.rstrip())
-        estimate = PLAN_TOTAL.search(r.stdout)
-        if estimate is None:
-            stage.ok = False
-            stage.notes.append(f"the plan printed no estimate (exit {r.returncode}): {failure(r.stderr, 5)}")
-            return stage, held
-        held, verdict = memory_verdict(stage.peak, float(estimate.group(1)))
-        stage.notes.append(verdict)
-        stage.notes += [line for line in r.stdout.splitlines() if PLAN_TOTAL.search(line)]
-        return stage, held
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights
-
-
-def gpu_gib() -> float:
-    """The GPU's memory in GiB (nvidia-smi), 80 if it cannot be read."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        return round(float(out.split()[0]) / 1024, 1)
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return 80.0
+    rc, text, stage.wall_s = run_logged(teacher_forced_command(), logs / "b.log", STAGE_TIMEOUT_S["b"], env)
+    found = TEACHER_FORCED.search(text)
+    if rc != 0 or found is None:
+        stage.notes.append(f"exit {rc}{' (timed out)' if rc == 124 else ''}; no result line")
+        print(failure(text))
+        return stage, None
+    result = json.loads(found.group(1))
+    stage.steps = [(1, result["wall_s"], result["peak_gib"], "cuda:0 allocated")]
+    held, lines = pass_verdict(result)
+    stage.ok = result["adapter_gradients"] > 0
+    stage.notes += describe_pass(result) + lines
+    print("\n".join(stage.notes))
+    return stage, held
 
 
 def machine() -> str:
@@ -485,22 +537,19 @@ def without_install(argv: list[str]) -> list[str]:
 
 
 def dry_run(root: Path) -> int:
-    """Each stage's commands, and its config composed and validated as sage-train would (no model, no
-    training): a misspelt override fails here, on any machine."""
+    """Each stage's commands and its config composed and validated as sage-train would (a misspelt override
+    fails here, on any machine), then stage b's pass itself on this machine's CPU: the paper's micro-batch
+    and 2,048 completion tokens through the shrunk model (``SHRUNK``: 2 layers, hidden size 64, the paper
+    model's vocabulary), in float32."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import get_method
 
     from sage.config import register_configs, validate
     from sage.paths import CONF_DIR
 
-    folder = Path("/tmp/sage-gpu-check-7b-XXXX")  # made by the build command on the GPU machine
     stages = {
-        "a": [("train", train_command(stage_a(root / "a")))],
-        "b": [
-            ("build", build_command(folder)),
-            ("train", train_command(stage_b(root / "b", folder))),
-            ("plan", plan_command(stage_b_shape(), prompt_tokens_of_b(), 139.8)),
-        ],
+        "a": [("train", train_command(stage_a(root / "a")), stage_a(root / "a"))],
+        "b": [("pass", teacher_forced_command(), stage_b_shape())],
     }
     register_configs()
     get_method("launchers.gpu_check.step_report")  # the callbacks entry resolves
@@ -508,12 +557,10 @@ def dry_run(root: Path) -> int:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for name, commands in stages.items():
             print(f"stage {name}:")
-            for what, command in commands:
+            for what, command, overrides in commands:
                 print(f"  {what}: {shown(command)}")
-                if what != "train":
-                    continue
                 try:
-                    cfg = compose(config_name="train", overrides=command[3:], return_hydra_config=True)
+                    cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
                     validate(cfg)
                 except Exception as e:  # sage's ConfigError, and Hydra's errors of many types
                     print(f"  composition FAILED: {type(e).__name__}: {e}")
@@ -522,10 +569,15 @@ def dry_run(root: Path) -> int:
                 print(f"  composed: {composed_facts(cfg)}")
     if failed:
         return 1
-    print("stage b's memory plan (prompt tokens: the longest prompt of its data, as sage-train measures it):")
-    r = subprocess.run(stages["b"][2][1], capture_output=True, text=True)
-    print("\n".join(f"  {line}" for line in (r.stdout + r.stderr).strip().splitlines()))
-    return 0 if r.returncode == 0 and PLAN_TOTAL.search(r.stdout) else 1
+    print(f"stage b's pass on this CPU, shrunk ({shown(teacher_forced_command(shrink=True))}):")
+    r = subprocess.run(teacher_forced_command(shrink=True), capture_output=True, text=True, cwd=REPO)
+    found = TEACHER_FORCED.search(r.stdout)
+    if r.returncode != 0 or found is None:
+        print(f"  FAILED (exit {r.returncode}):\n{failure(r.stdout + r.stderr, 20)}")
+        return 1
+    result = json.loads(found.group(1))
+    print("\n".join(f"  {line}" for line in describe_pass(result)))
+    return 0 if result["adapter_gradients"] > 0 else 1
 
 
 def composed_facts(cfg) -> str:
@@ -545,38 +597,12 @@ def composed_facts(cfg) -> str:
     )
 
 
-def prompt_tokens_of_b() -> int:
-    """The longest prompt of stage b's data in the random model's tokenizer, rendered as TRL renders it: what
-    sage-train prints as the batch's longest micro-batch (``sage.train.main.longest_prompt``, an entry
-    point's, which a launcher does not import; tests/test_gpu_check.py compares the two)."""
-    from hydra import compose, initialize_config_dir
-
-    from sage.config import instantiate_node, register_configs
-    from sage.paths import CONF_DIR
-    from sage.testbed.tokenizer import build_tokenizer
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=stage_b_shape())
-    prompts = instantiate_node(cfg.data, chat=cfg.model.chat)["prompt"]
-    tokenizer = build_tokenizer(chat=True)
-    if prompts and isinstance(prompts[0], list):  # chat messages, through the chat template
-        prompts = [
-            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts
-        ]
-        return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
-    return max((len(ids) for ids in tokenizer(list(prompts))["input_ids"]), default=0)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the commands, compose the configs")
     parser.add_argument("--stage", choices=["a", "b", "all"], default="all")
     parser.add_argument("--out", type=Path, help="the runs' folder (default outputs/gpu_check/<time>)")
     parser.add_argument("--logs", type=Path, help="each stage's output and the summary (default: --out)")
-    parser.add_argument(
-        "--model-dir", type=Path, help="where stage b's random model is written (default /tmp)"
-    )
     parser.add_argument(
         "--install",
         nargs="?",
@@ -585,14 +611,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="WHEELHOUSE",
         help="first install the wheelhouse (default wheelhouse/) into $SAGE_GPU_SITE and run with it",
     )
-    parser.add_argument("--build-random-model", type=Path, metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher-forced", action="store_true", help=argparse.SUPPRESS)  # stage b's process
     parser.add_argument("--shrink", action="store_true", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.install:
         return install_and_rerun(args.install, without_install(argv))
-    if args.build_random_model:
-        build_random_model(args.build_random_model, shrink=args.shrink)
+    if args.teacher_forced:
+        print("teacher forced: " + json.dumps(teacher_forced(shrink=args.shrink)), flush=True)
         return 0
     root = (args.out or REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     if args.dry_run:
@@ -614,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in ("a", "all"):
         stages.append(run_stage_a(root, logs, env))
     if args.stage in ("b", "all"):
-        stage, plan_held = run_stage_b(root, logs, env, args.model_dir)
+        stage, plan_held = run_stage_b(logs, env)
         stages.append(stage)
     lines = summary(stages, plan_held)
     (logs / "summary.md").write_text("\n".join(lines) + "\n")

@@ -1,8 +1,8 @@
 """`make wheelhouse` and `make gpu-check` (launchers/wheelhouse.py, launchers/gpu_check.py) as far as a CPU
 goes: the wheelhouse is built from PyPI within its size and complete for the GPU machine's image; the
-check's dry run prints both stages and composes their configs; stage a's path runs on a CPU in float32, and
-stage b's path on a shrunk model with the paper model's vocabulary; the summary and the memory verdict are
-read off a run's lines as the check reads them."""
+check's dry run prints both stages, composes their configs and runs stage b's teacher-forced pass at the
+paper's 2,048 completion tokens on a shrunk model on the CPU; stage a's path runs on a CPU in float32; the
+summary and the memory verdict are read off a run's lines as the check reads them."""
 
 import os
 import sys
@@ -128,9 +128,9 @@ def test_the_run_lines_are_read_into_steps_batch_table_and_verdict():
     held, line = gpu_check.memory_verdict(17.0, 14.7)
     assert not held and "UNDERESTIMATED" in line
     assert gpu_check.memory_verdict(10.0, 14.7)[0]  # an upper bound may be far above
-    stage = gpu_check.Stage("b", "the paper's shape", ok=True, wall_s=95.0, steps=steps, notes=[line])
+    stage = gpu_check.Stage("a", "the CUDA path", ok=True, wall_s=95.0, steps=steps, notes=[line])
     lines = gpu_check.summary([stage], plan_held=False)
-    assert "| b | the paper's shape | ok | 95 s | 21.4, 14.0 | 16.25 GiB (cuda:0 allocated) |" in lines
+    assert "| a | the CUDA path | ok | 95 s | 21.4, 14.0 | 16.25 GiB (cuda:0 allocated) |" in lines
     assert lines[-1] == "The memory plan did NOT hold (tolerance +15%)."
 
 
@@ -141,8 +141,53 @@ BATCH_A = (
 )
 
 
+# stage b's result line on a GPU: 4.40 GiB of working set (18.70 at the peak less 14.30 before the pass)
+# against the plan's 1.00 + 2.00
+PASS = {
+    "device": "NVIDIA H200",
+    "parameters": 7_615_616_512,
+    "vocabulary": 152064,
+    "dtype": "bfloat16",
+    "micro": 1,
+    "prompt_tokens": 1024,
+    "completion_tokens": 2048,
+    "gradient_checkpointing": True,
+    "scored": 2048,
+    "adapter_gradients": 196,
+    "adapter_tensors": 392,
+    "wall_s": 2.5,
+    "resident_gib": 14.30,
+    "peak_gib": 18.70,
+    "planned": {"weights": 14.18, "trainable_state": 0.19, "activations": 1.00, "logits": 2.00},
+}
+
+
+def test_the_pass_is_set_beside_the_plans_working_set():
+    held, lines = gpu_check.pass_verdict(PASS)
+    assert not held
+    assert lines[0] == (
+        "working set (peak during the pass less before it) against the plan's activations + logits: memory: "
+        "peak 4.40 GiB measured, 3.00 GiB planned (+46.7% against the plan; UNDERESTIMATED: beyond the +15% "
+        "tolerance)"
+    )
+    assert lines[1].startswith("resident before the pass: 14.30 GiB (plan: weights 14.18 + the adapter")
+    held, _ = gpu_check.pass_verdict({**PASS, "peak_gib": 17.0})  # 2.70 of 3.00: within
+    assert held
+    described = gpu_check.describe_pass(PASS)
+    assert (
+        "one teacher-forced forward and backward over 1 x (1024 prompt + 2048 completion) tokens"
+        in described[0]
+    )
+    assert described[1] == (
+        "plan: weights 14.180, trainable_state 0.190, activations 1.000, logits 2.000 GiB "
+        "(sage.train.memory.estimate, the same shape and dtype)"
+    )
+
+
 def test_a_gpu_run_is_read_into_its_summary_and_fails_on_an_underestimate(tmp_path, monkeypatch, capsys):
-    """main() as on a GPU, each stage's process replaced by its canned output; the plan is the real one."""
+    """main() as on a GPU, each stage's process replaced by its canned output."""
+    import json
+
     import torch
 
     runs = {
@@ -151,8 +196,7 @@ def test_a_gpu_run_is_read_into_its_summary_and_fails_on_an_underestimate(tmp_pa
             f"gpu check: step {i}: 0.50 s, peak memory 0.21 GiB (cuda:0 allocated)\n" for i in (1, 2, 3)
         )
         + RUN.split("\n\n", 1)[1],
-        "b_build.log": "random model: 7.62B parameters (...), built and saved in 40 s on NVIDIA_H200\n",
-        "b.log": RUN.replace("16.25 GiB", "17.50 GiB"),
+        "b.log": "some start-up log\nteacher forced: " + json.dumps(PASS) + "\n",
     }
     ran = []
 
@@ -162,12 +206,13 @@ def test_a_gpu_run_is_read_into_its_summary_and_fails_on_an_underestimate(tmp_pa
 
     monkeypatch.setattr(gpu_check, "run_logged", run_logged)
     monkeypatch.setattr(gpu_check, "IMPORTS", "pass")
-    monkeypatch.setattr(gpu_check, "gpu_gib", lambda: 139.8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
-    assert gpu_check.main(["--out", str(tmp_path / "runs"), "--model-dir", str(tmp_path)]) == 1
-    assert [c[2] for c in ran] == ["sage.train", "launchers.gpu_check", "sage.train"]
-    assert not list(tmp_path.glob("sage-gpu-check-7b-*"))  # the random model's folder is removed
+    assert gpu_check.main(["--out", str(tmp_path / "runs")]) == 1
+    assert [c[2:4] for c in ran] == [
+        ["sage.train", "model=tiny_chat"],
+        ["launchers.gpu_check", "--teacher-forced"],
+    ]
     summary = (tmp_path / "runs" / "summary.md").read_text()
     assert (
         "| a | tiny_chat: " in summary
@@ -175,14 +220,18 @@ def test_a_gpu_run_is_read_into_its_summary_and_fails_on_an_underestimate(tmp_pa
     )
     assert "| trained | arith_heldout | 0.062 | 0.250 |" in summary
     assert (
-        "memory: peak 17.50 GiB measured, 14.70 GiB planned (+19.0% against the plan; UNDERESTIMATED"
+        "| b | random Qwen2.5-Math-7B shapes, trl=paper micro-batch, 1024 + 2048 tokens teacher-forced | ok |"
         in summary
     )
+    assert "peak 4.40 GiB measured, 3.00 GiB planned (+46.7% against the plan; UNDERESTIMATED" in summary
     assert "The memory plan did NOT hold (tolerance +15%)." in summary
     assert "----- summary (docs/results/gpu_check.md, Runs) -----" in capsys.readouterr().out
 
 
-def test_the_dry_run_prints_both_stages_and_composes_their_configs(tmp_path, capsys):
+def test_the_dry_run_prints_both_stages_and_runs_stage_b_at_2048_tokens(tmp_path, capsys):
+    """Both stages' configs composed, and stage b's pass run on this CPU: one forward and backward over the
+    paper's micro-batch (1 sequence, trl=paper's per-device batch) of 1,024 prompt and 2,048 completion
+    tokens, every completion token scored and the adapter given a gradient."""
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     a, b = out.split("stage b:")
@@ -197,19 +246,25 @@ def test_the_dry_run_prints_both_stages_and_composes_their_configs(tmp_path, cap
     ):
         assert fact in a, a
     assert "rollout=hf; evaluation at end, 8 samples; tracking off; callbacks ['gpu_check']" in a
-    assert "build: python -m launchers.gpu_check --build-random-model" in b
+    assert "pass: python -m launchers.gpu_check --teacher-forced" in b
     for fact in (
         "LoRA r=8",
         "SFT off",
-        "optim=adamw_torch max_steps=2 per_device_train_batch_size=1 gradient_accumulation_steps=64",
-        "completions 64 tokens",
+        "per_device_train_batch_size=1 gradient_accumulation_steps=64",
+        "completions 2048 tokens",
         "evaluation off; tracking off",
     ):
         assert fact in b, b
-    # the plan of the same shape, with the longest prompt of the run's data
-    assert "plan: python -m sage.train.memory model=qwen2.5-math-7b" in b
-    assert "architecture: stored copy of Qwen/Qwen2.5-Math-7B's config.json" in b
-    assert "memory estimate per GPU: " in b and "8 prompts x 8 generations" in b
+    ran = b.split(
+        "stage b's pass on this CPU, shrunk (python -m launchers.gpu_check --teacher-forced --shrink):"
+    )[1]
+    assert (
+        "(vocabulary 4096), float32, on cpu: one teacher-forced forward and backward over 1 x (1024 prompt + "
+        "2048 completion) tokens, gradient checkpointing on, 2048 completion log-probabilities, " in ran
+    ), ran
+    # peft's B matrices start at zero: the A matrices' gradients are zero at the first pass, the B ones not
+    assert "14 of 28 adapter tensors with a gradient" in ran, ran
+    assert "plan: weights " in ran and "(sage.train.memory.estimate, the same shape and dtype)" in ran
 
 
 def test_the_dry_run_fails_on_a_misspelt_override(tmp_path, capsys, monkeypatch):
@@ -218,7 +273,7 @@ def test_the_dry_run_fails_on_a_misspelt_override(tmp_path, capsys, monkeypatch)
     assert "composition FAILED" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- the stages' paths on a CPU
+# ---------------------------------------------------------------- stage a's path on a CPU
 
 
 def sage_train(overrides: list[str]):
@@ -237,28 +292,3 @@ def test_stage_a_runs_on_a_cpu_in_float32(tmp_path):
     steps = gpu_check.parse_steps(r.stdout)
     assert [s[0] for s in steps] == [1] and steps[0][3] == "process RSS"
     assert [line.split(" | ")[0] for line in gpu_check.eval_table(r.stdout)[2:]] == ["| base", "| trained"]
-
-
-@pytest.mark.slow
-def test_stage_b_runs_on_a_shrunk_model_with_the_paper_vocabulary(tmp_path):
-    """The random model's path: built from the stored shapes with the testbed's tokenizer (ids it samples
-    past the tokenizer decode to nothing), trained through model=qwen2.5-math-7b's config, its batch line
-    read and planned."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    r = prefork.run(gpu_check.build_command(folder, shrink=True), timeout=300, cwd=REPO)
-    assert r.returncode == 0 and "vocabulary 152064" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    cpu = [
-        "model.dtype=float32",
-        "trl.bf16=false",
-        "trl.gradient_accumulation_steps=2",
-        "trl.num_generations=2",
-        "model.max_completion_length=8",
-    ]
-    r = sage_train(gpu_check.stage_b(tmp_path / "b", folder, steps=1) + cpu)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert [s[0] for s in gpu_check.parse_steps(r.stdout)] == [1]
-    prompt_tokens = int(gpu_check.BATCH.search(r.stdout).group(2))
-    assert prompt_tokens == gpu_check.prompt_tokens_of_b()
-    plan = prefork.run(gpu_check.plan_command(gpu_check.stage_b_shape(), prompt_tokens, 139.8), cwd=REPO)
-    assert plan.returncode == 0 and gpu_check.PLAN_TOTAL.search(plan.stdout), plan.stdout + plan.stderr
