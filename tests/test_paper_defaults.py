@@ -99,3 +99,41 @@ def test_cfg_job_of_the_entry_points_shows_the_math_suite(module):
     assert r.returncode == 0, r.stderr[-2000:]
     job = OmegaConf.create(r.stdout)
     assert list(job.eval.datasets) == MATH_SUITE
+
+
+def seed_of(*overrides: str) -> int:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides)).seed
+
+
+def test_the_paper_preset_runs_the_papers_seed_unless_seed_is_given():
+    """trl=paper is the paper's recipe, seed 3407 included (issue 55); the command line's seed= wins, and the
+    testbed keeps seed 0."""
+    assert (
+        seed_of("trl=paper")
+        == 3407
+        == seed_of("trl=paper", "model=qwen2.5-math-7b", "experiment=grpo_branch")
+    )
+    assert seed_of("trl=paper", "seed=5") == 5 and seed_of("trl=paper", "seed=0") == 0
+    assert seed_of() == 0 == seed_of("trl=testbed") and seed_of("trl=testbed", "seed=5") == 5
+
+
+def test_every_readme_paper_command_runs_the_papers_seed():
+    commands = [c for c in paper_section_commands() if "trl=paper" in c]
+    assert len(commands) >= 3, "the README's Paper scale block lost its paper commands"
+    for overrides in commands:
+        first = [re.sub(r"^([^=]+=)([^,\[]+),.*$", r"\1\2", w) for w in overrides]  # a grid's first job
+        assert seed_of(*first) == 3407, overrides
+
+
+@pytest.mark.parametrize("overrides, seed", [(["trl=paper"], 3407), (["trl=paper", "seed=5"], 5), ([], 0)])
+def test_the_job_config_shows_the_seed_a_run_takes(overrides, seed):
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", *overrides, "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert OmegaConf.create(r.stdout).seed == seed
