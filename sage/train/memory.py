@@ -17,10 +17,12 @@ by every job that starts from the same model with the same evaluation settings: 
 total). A job with an SFT stage gets how long it trains, on how many processes (Table 7's batch of one row
 is trained by one process while the job's others, and every job that starts from it, wait), and the grid
 the command that builds it first as a job of its own. An RL step over several processes that does not take
-the completions its trl preset states is said in one line, with the key that keeps them. It exits 1 if a
-job does not fit, 2 on a bad argument or on a job sage-train would refuse at composition whatever the memory
-(``check_rollout``: ``rollout=vllm`` with LoRA on the output layer or the embeddings, or full
-fine-tuning of a model whose output layer is tied to its embeddings), in one line.
+the completions its trl preset states is said in one line, with the key that keeps them (and refused where
+the preset fixes its batch, ``trl=paper``). It exits 1 if a job does not fit, 2 on a bad argument or on a job
+sage-train would refuse at composition whatever the memory, in one line: ``sage.config.validate`` and
+``sage.trl_checks.check_trl`` without what depends on the planning machine (TRL's keys, the preset's batch),
+and ``check_rollout`` (``rollout=vllm`` with LoRA on the output layer or the embeddings, or full
+fine-tuning of a model whose output layer is tied to its embeddings).
 
 Processes per job: ``hydra.launcher.tasks_per_node`` x ``hydra.launcher.nodes`` under the submitit
 launchers, else ``processes=`` (default 1). The architecture is the model's ``config.json``: read from
