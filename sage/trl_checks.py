@@ -174,7 +174,7 @@ def check_batch(cfg: DictConfig, processes: int, preset: str | None) -> str | No
     ``allow_batch_change=true`` (the schema's default, so ``trl=testbed``'s) it runs; on several processes
     this returns the warning line that says what it takes instead. ``preset``: Hydra's choice of the trl
     group (None: composed without Hydra's record of its choices, nothing to compare with)."""
-    if preset is None:
+    if preset is None or cfg.trl.max_steps == 0:  # no optimiser step (a base row, an SFT stage's own job)
         return None
     t = cfg.trl
     micro, accumulation = int(t.per_device_train_batch_size), int(t.gradient_accumulation_steps)

@@ -570,11 +570,11 @@ def refused_before_anything(r: subprocess.CompletedProcess, tmp_path: Path) -> s
     return one_error_line(r)
 
 
-def sage_train_in(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """sage-train with its own MLflow store and run folder under ``tmp_path``."""
+def sage_train_in(tmp_path: Path, *args: str, out: str = "out", **env: str) -> subprocess.CompletedProcess:
+    """sage-train with its own MLflow store and run folder (``out``) under ``tmp_path``."""
     store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **env}
     return prefork.run(
-        [sys.executable, "-m", "sage.train", *args, f"output_dir={tmp_path / 'out'}"],
+        [sys.executable, "-m", "sage.train", *args, f"output_dir={tmp_path / out}"],
         timeout=300,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **store},
     )
@@ -657,3 +657,80 @@ def test_the_plan_refuses_what_sage_train_refuses(capsys):
         assert main([override]) == 2, override
         assert capsys.readouterr().err.strip() == f"error: {message}"
     assert main(["model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"]) == 0, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the paper's batch, enforced (issue 55)
+# model=tiny_chat (an SFT stage, then LoRA RL, as at paper scale) shrunk to seconds: a small base model and
+# SFT stage of their own, one RL step, no evaluation; trl=paper as this CPU runs it (no 8-bit Adam, no bf16).
+PAPER_HERE = [
+    "model=tiny_chat",
+    "model.source.train_steps=20",
+    "model.sft.data.n=16",
+    "model.sft.args.num_train_epochs=1",
+    "trl=paper",
+    "trl.bf16=false",
+    "trl.optim=adamw_torch",
+    "trl.max_steps=1",
+    "eval.at_end=false",
+]
+
+
+def test_a_run_without_an_optimiser_step_has_no_batch_to_keep():
+    """A grid's SFT job (its first dependent's overrides, trl.max_steps=0, on the processes the SFT batch can
+    use) and an experiment=base row take no RL step: trl=paper's batch is not theirs to keep."""
+    from sage.trl_checks import check_batch
+
+    kept_on_8 = ("trl=paper", "trl.gradient_accumulation_steps=8")
+    assert check_batch(cfg_for(*kept_on_8, "trl.max_steps=0"), 1, "paper") is None
+    assert check_batch(cfg_for(*kept_on_8, "experiment=base"), 1, "paper") is None
+    assert check_batch(cfg_for(*kept_on_8), 8, "paper") is None
+    with pytest.raises(
+        ConfigError, match=r"1 x 8 x 1 process takes 8: pass trl.gradient_accumulation_steps=64"
+    ):
+        check_batch(cfg_for(*kept_on_8), 1, "paper")
+
+
+@pytest.mark.slow
+def test_the_papers_batch_on_two_processes_is_refused_unless_kept(tmp_path):
+    """sage-train trl=paper under 2 processes without compensating accumulation takes 128 completions per
+    step, not the paper's 64: refused in one line naming trl.gradient_accumulation_steps=32, before the
+    process group, any model or MLflow run (the launcher's WORLD_SIZE is what each process reads); with
+    that key torchrun trains it; allow_batch_change=true runs another batch, its MLflow params saying so."""
+    from mlflow.tracking import MlflowClient
+
+    r = sage_train_in(tmp_path, *PAPER_HERE, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    line = refused_before_anything(r, tmp_path)
+    assert line == (
+        "error: trl=paper states 64 completions per optimiser step (1 per forward pass x 64 accumulation "
+        "steps on one process); 1 x 64 x 2 processes takes 128: pass trl.gradient_accumulation_steps=32 to "
+        "keep 64, or allow_batch_change=true to train on 128 on purpose"
+    )
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sage.train.main"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            *torchrun,
+            *PAPER_HERE,
+            "trl.gradient_accumulation_steps=32",
+            f"output_dir={tmp_path / 'a'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**os.environ, "MLFLOW_TRACKING_URI": store, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    assert "1 completions per forward pass x 32 accumulation steps x 2 processes = 64 completions" in r.stdout
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["allow_batch_change"] == "False"
+
+    changed = ["trl.per_device_train_batch_size=8", "trl.gradient_accumulation_steps=1"]  # 1 prompt x 8
+    r = sage_train_in(tmp_path, *PAPER_HERE, *changed, out="b")  # one process
+    assert "allow_batch_change=true to train on 8 on purpose" in one_error_line(r)
+    r = sage_train_in(tmp_path, *PAPER_HERE, *changed, "allow_batch_change=true", out="b")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    runs = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
+    assert sorted(run.data.params["allow_batch_change"] for run in runs) == ["False", "True"]
