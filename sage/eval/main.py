@@ -279,7 +279,10 @@ def main() -> None:
 
     # a grid's job folder as it prints (experiment=grpo_branch,seed=1/final) is taken as written
     sys.argv[1:] = quote_paths(sys.argv[1:], ("checkpoint", "output_dir", "eval.perplexity_base"))
-    run_app(_hydra_main, CONF_DIR)
+    from sage.quick_exit import quick_exit_when_interrupted
+
+    with quick_exit_when_interrupted():  # SIGTERM: gone once the run is closed, not after the teardown
+        run_app(_hydra_main, CONF_DIR)
 
 
 if __name__ == "__main__":

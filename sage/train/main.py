@@ -616,8 +616,10 @@ def main() -> None:
     # this module again as its __main__.
     register_configs()
     from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
+    from sage.quick_exit import quick_exit_when_interrupted
 
-    run_app(_hydra_main, CONF_DIR)
+    with quick_exit_when_interrupted():  # SIGTERM: gone once the run is closed, not after the teardown
+        run_app(_hydra_main, CONF_DIR)
 
 
 if __name__ == "__main__":
