@@ -32,6 +32,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.experimental.callback import Callback
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import OmegaConf
@@ -56,6 +57,51 @@ class SageSlurmQueueConf(SlurmQueueConf):
     status_poll_max_s: int = field(
         default=30, metadata={"help": "longest wait between sacct polls (submitit's own backs off to 600 s)"}
     )
+
+
+def slurm_refusal(partition: str | None) -> str | None:
+    """Why a SLURM grid cannot be submitted from here, in one line, or None: no SLURM client on PATH, a
+    controller ``sinfo`` cannot reach, or a partition the cluster does not have."""
+    import shutil
+    import subprocess
+
+    missing = [b for b in ("sbatch", "sinfo", "sacct") if shutil.which(b) is None]
+    if missing:
+        return (
+            f"hydra/launcher=slurm: no SLURM client here ({', '.join(missing)} not on PATH); submit from the "
+            "cluster's login node, or run the grid here with hydra/launcher=local"
+        )
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "hydra/launcher=slurm: sinfo did not answer within 30 s: is the SLURM controller up?"
+    if r.returncode != 0:
+        said = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+        return f"hydra/launcher=slurm: sinfo failed ({said}): is the SLURM controller up?"
+    partitions = [p.rstrip("*") for p in r.stdout.split()]
+    if partition is not None and partition not in partitions:
+        return (
+            f"hydra.launcher.partition={partition}: this cluster has no such partition; it has "
+            f"{', '.join(partitions) or 'none'}"
+        )
+    return None
+
+
+class LauncherCheck(Callback):
+    """``hydra.callbacks.launcher_ready`` (conf/train.yaml): a grid whose launcher cannot launch from here
+    stops in one line (exit code 2) when the multirun starts, before a sweeper makes a study, a parent run,
+    a sweep dir or its lock."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        import sys
+
+        launcher = OmegaConf.select(config, "hydra.launcher")
+        if launcher is None or not str(launcher.get("_target_", "")).endswith("SageSlurmLauncher"):
+            return
+        line = slurm_refusal(launcher.get("partition"))
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
 
 
 def with_resume_auto(overrides: list[str]) -> list[str]:
@@ -237,6 +283,10 @@ class _SageSubmitit:
         if self.parent_id is not None:
             ok = all(r.status == JobStatus.COMPLETED for r in results)
             close_parent(self.config.tracking, self.parent_id, ok, self.sweep_dir)  # type: ignore[attr-defined]
+        # submitit makes its folder pattern (.submitit/%j) literally too, and leaves it empty
+        pattern = Path(str(self.params["submitit_folder"]))  # type: ignore[attr-defined]
+        if "%" in pattern.name and pattern.is_dir() and not any(pattern.iterdir()):
+            pattern.rmdir()
         return results
 
     @staticmethod

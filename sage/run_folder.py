@@ -20,6 +20,7 @@ results.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import fnmatch
@@ -333,10 +334,14 @@ class GridWritersCheck(Callback):
         line = None
         if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
             sweep_dir = Path(str(config.hydra.sweep.dir))
+            made = not sweep_dir.exists()
             sweep_dir.mkdir(parents=True, exist_ok=True)
             try:
                 refusal = functools.partial(_driven, sweep_dir)
                 self._driver = _acquire(sweep_dir, GRID_LOCK_FILE, refusal=refusal)
+                # a grid that dies before its end (a mistyped job, a launcher's failure) leaves no lock file,
+                # nor the sweep dir it made if nothing else was written there
+                atexit.register(_release_grid, sweep_dir, self._driver, made)
             except ConfigError as e:
                 line = str(e)
         line = line or held_grid_job(config)
@@ -350,6 +355,18 @@ class GridWritersCheck(Callback):
             (Path(str(config.hydra.sweep.dir)) / GRID_LOCK_FILE).unlink(missing_ok=True)  # still held
             self._driver.close()
             self._driver = None
+
+
+def _release_grid(sweep_dir: Path, driver, made: bool) -> None:
+    """At the driver's exit: its lock file removed if it still holds it, and the sweep dir it made removed
+    if no job was launched into it."""
+    if not driver.closed:
+        (sweep_dir / GRID_LOCK_FILE).unlink(missing_ok=True)
+        driver.close()
+    # Hydra writes its multirun.yaml before the launcher composes a job: a grid refused there wrote no more
+    if made and sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= {"multirun.yaml"}:
+        (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+        sweep_dir.rmdir()
 
 
 def _driven(sweep_dir: Path, who: str) -> str:

@@ -190,3 +190,49 @@ def test_the_readme_says_where_a_grid_jobs_logs_are(launcher):
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"each one's log is in `{named}/` (`{paths.stdout.name}` and `_log.err`)" in readme
     assert paths.stderr.name.endswith("_log.err")
+
+
+def grid_refused(
+    tmp_path: Path, *args: str, path: str | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """``sage-train -m <args>`` into a new sweep dir and a store of its own: (the call, the store's file)."""
+    store = tmp_path / "mlflow.db"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    if path is not None:
+        env["PATH"] = path
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    return r, store
+
+
+@pytest.mark.parametrize(
+    "grid", [["seed=1,2"], ["hparams_search=branch_threshold_ratio_testbed"]], ids=["grid", "optuna"]
+)
+def test_a_slurm_grid_without_a_slurm_client_is_one_line_before_anything_exists(tmp_path, grid):
+    """The README's grid and Optuna commands on a machine with no SLURM client: one line, exit 2, and no sweep
+    dir, lock, study or MLflow run (it used to make a study and a FAILED parent run, then a traceback)."""
+    (tmp_path / "bin").mkdir()
+    r, store = grid_refused(tmp_path, "hydra/launcher=slurm", *grid, path=str(tmp_path / "bin"))
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines == [
+        "error: hydra/launcher=slurm: no SLURM client here (sbatch, sinfo, sacct not on PATH); submit from "
+        "the cluster's login node, or run the grid here with hydra/launcher=local"
+    ], r.stdout + r.stderr
+    assert not (tmp_path / "sweep").exists() and not store.exists()
+
+
+def test_a_grid_refused_at_its_first_job_leaves_no_sweep_dir_nor_lock(tmp_path):
+    """A mistyped key swept over is found when the launcher composes the jobs, after the driver took the sweep
+    dir's lock: the one line, and neither the lock file nor the sweep dir it made is left behind."""
+    r, store = grid_refused(tmp_path, "hydra/launcher=local", "trl.learning_rat=1e-4,2e-4")
+    assert r.returncode == 2 and last_line(r.stderr) == (
+        "error: trl.learning_rat=0.0001: no trl option has a key 'learning_rat'; did you mean "
+        "trl.learning_rate?"
+    )
+    assert not (tmp_path / "sweep").exists()

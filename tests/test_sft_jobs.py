@@ -21,7 +21,12 @@ from sage.train.sft import BUILD_ONLY, DONE_FILE, cached_stage, sft_stages, stag
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
 # the SFT stage and the RL jobs at their smallest: what is checked is the order and who builds what
-SMALL_SFT = ["model=tiny_chat", "model.sft.data.n=16", "model.sft.args.num_train_epochs=1"]
+SMALL_SFT = [
+    "model=tiny_chat",
+    "model.source.train_steps=20",  # a base model of its own, quick to build: what it says is not checked
+    "model.sft.data.n=16",
+    "model.sft.args.num_train_epochs=1",
+]
 QUICK_RL = [
     "trl.max_steps=1",
     "trl.per_device_train_batch_size=4",
@@ -67,7 +72,7 @@ def test_a_grid_needs_one_sft_job_per_stage_the_cache_lacks(monkeypatch, tmp_pat
     assert [s.dependents for s in stages] == [[0, 2], [3]]
     first = stages[0]
     assert first.processes == 8  # the testbed's SFT batch of 8 rows splits over 8 processes
-    assert first.model == "model=tiny_chat model.sft.data.n=16 model.sft.args.num_train_epochs=1"
+    assert first.model == " ".join(SMALL_SFT)
     # the first dependent's command, building only the stage, in the sweep dir's .sft/ folder
     assert first.overrides == [
         *SMALL_SFT,

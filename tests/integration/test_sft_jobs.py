@@ -13,7 +13,12 @@ import pytest
 from test_sweeps import job_folders, slurm_jobs, sweep
 
 # the SFT stage and the RL jobs at their smallest: what is checked is the order and who builds what
-SMALL_SFT = ["model=tiny_chat", "model.sft.data.n=16", "model.sft.args.num_train_epochs=1"]
+SMALL_SFT = [
+    "model=tiny_chat",
+    "model.source.train_steps=20",  # a base model of its own, quick to build: what it says is not checked
+    "model.sft.data.n=16",
+    "model.sft.args.num_train_epochs=1",
+]
 QUICK_RL = [
     "trl.max_steps=1",
     "trl.per_device_train_batch_size=4",
