@@ -416,9 +416,16 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
     depends on this machine (a CUDA GPU, the vLLM engine, bitsandbytes). TRL's keys are checked by
     ``sage.trl_checks.check_trl``, which imports what this module cannot."""
     if cfg.guide._target_ != "sage.objective.guides.NoGuide" and cfg.divergence.beta == 0:
+        from hydra.core.hydra_config import HydraConfig
+
+        # the options as the user chose them (guide=archer), where Hydra composed the command line
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        guide = choices.get("guide") or cfg.guide._target_.rsplit(".", 1)[-1]
+        none = cfg.divergence._target_ == "sage.objective.divergences.NoDivergence"
         raise ConfigError(
-            f"guide={cfg.guide._target_.rsplit('.', 1)[-1]} reshapes the anchor of a divergence, but "
-            "divergence=none has no anchor: choose divergence=reverse_kl (SAGE) or forward_kl, or guide=none"
+            f"guide={guide} reshapes the anchor of a divergence, but "
+            f"{'divergence=none has' if none else 'divergence.beta=0 leaves'} no anchor: choose "
+            "divergence=reverse_kl (SAGE), forward_kl or sequence_kl with divergence.beta > 0, or guide=none"
         )
     world = OmegaConf.select(cfg, "model.source.world", default=None)
     fork_guides = {

@@ -316,7 +316,7 @@ def test_cli_errors_are_one_line(tmp_path):
     assert "branch" in last_line(r.stderr)
     r = run_cli("guide=branch", "divergence=none", f"output_dir={tmp_path}")
     assert r.returncode == 2
-    assert last_line(r.stderr).startswith("error: guide=BranchGuide reshapes the anchor")
+    assert last_line(r.stderr).startswith("error: guide=branch reshapes the anchor")
     r = run_cli("trl.max_steps=many", f"output_dir={tmp_path}")
     assert r.returncode != 0 and "trl.max_steps" in r.stderr
 

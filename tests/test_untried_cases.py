@@ -14,10 +14,35 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
+# A shrunk run: one prompt group of two completions per step, no evaluation at the end.
+QUICK = ("trl.per_device_train_batch_size=4", "trl.num_generations=2", "eval.at_end=false")
+
+
+def sage_train(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """sage-train as a user types it (forked from the pre-imported server where it can)."""
+    return prefork.run(
+        [sys.executable, "-m", "sage.train", *overrides],
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    """The whole stderr of a refused command: exit code 2 and exactly one line, returned."""
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr[-3000:]
+    return lines[0]
+
+
+def only_hydra_files(run_dir: Path) -> bool:
+    """Nothing of the run itself: at most the files Hydra writes into output_dir before the task."""
+    return not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "main.log"}
 
 
 def as_foreground() -> None:
@@ -134,3 +159,29 @@ def test_an_interrupted_exit_skips_only_the_teardown(code):
     assert r.returncode == code, r.stderr
     teardown = ["teardown"] if code not in (130, 143) else []
     assert r.stdout.splitlines() == ["thread joined", "atexit handler", *teardown], r.stdout
+
+
+# ----------------------------------------------------------------- guide=archer under every divergence
+@pytest.mark.parametrize(
+    ("divergence", "why"),
+    [
+        (["divergence=none"], "divergence=none has no anchor"),
+        (["divergence=reverse_kl", "divergence.beta=0"], "divergence.beta=0 leaves no anchor"),
+    ],
+)
+def test_archer_without_an_anchor_is_one_line_before_any_run(divergence, why, tmp_path):
+    """guide=archer releases or keeps a divergence's anchor per token: with none to shape it is refused by
+    design. The line named the guide's class (guide=ArcherGuide, not an option one can type) and said
+    divergence=none where divergence.beta=0 was the cause."""
+    store = tmp_path / "mlflow.db"
+    r = sage_train(
+        "guide=archer",
+        *divergence,
+        f"output_dir={tmp_path / 'run'}",
+        env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"},
+    )
+    assert one_line(r) == (
+        f"error: guide=archer reshapes the anchor of a divergence, but {why}: choose divergence=reverse_kl "
+        "(SAGE), forward_kl or sequence_kl with divergence.beta > 0, or guide=none"
+    )
+    assert only_hydra_files(tmp_path / "run") and not store.exists()  # no run, no MLflow store
