@@ -164,12 +164,24 @@ KEYS = [
     ],
 )
 def test_the_loss_pass_ratio_equals_trls_pass_with_one_pass_fewer(
-    model_path, tmp_path, mode, clip_min, clip_max
+    model_path, tmp_path, caplog, mode, clip_min, clip_max
 ):
-    ours = train(SageGRPOTrainer, model_path, tmp_path / "ours", mode, clip_min, clip_max)
+    with caplog.at_level(logging.WARNING, logger="sage.train.trainer"):
+        ours = train(SageGRPOTrainer, model_path, tmp_path / "ours", mode, clip_min, clip_max)
+    warned = [r.getMessage() for r in caplog.records if "the importance weights" in r.getMessage()]
     theirs = train(WithTrlPass, model_path, tmp_path / "theirs", mode, clip_min, clip_max)
     logged = [[e for e in t.state.log_history if KEYS[1] in e] for t in (ours, theirs)]
     assert len(logged[0]) == len(logged[1]) == 2
+    # a step warns in one line exactly when its figures pass a bound: token_mask's [0.85, 1.15] cuts the
+    # tokens whose offset exceeds about 0.15 in [-0.25, 0.25], some 40% of them
+    over = [
+        step
+        for step, e in enumerate(logged[0], start=1)
+        if e[importance.SPREAD_KEY] > importance.SPREAD_BOUND or e[importance.CUT_KEY] > importance.CUT_BOUND
+    ]
+    assert [int(line.split(":")[0].removeprefix("step ")) for line in warned] == over, warned
+    if mode == "token_mask":
+        assert over == [1, 2] and all("token_mask masked" in line for line in warned), warned
     for a, b in zip(*logged, strict=True):
         for key in KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key

@@ -11,16 +11,22 @@ line before any model is built."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import statistics
+import sys
 from types import SimpleNamespace
 
+import prefork
 import psutil
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from peft import LoraConfig
 from trl import GRPOConfig
 
 from sage.config import ConfigError
+from sage.train import importance
 from sage.train.vllm_rollout import VllmRollout
 
 GREEDY_TOKENS = 40  # compared per prompt (the issue asks for at least 32)
@@ -455,3 +461,48 @@ def test_a_block_reports_its_progress_as_each_prompts_samples_finish(trained):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8)
     outputs = generate_block(rollout.llm, prompts, params, rollout.request, seed=1, progress=heard.append)
     assert len(outputs) == 6 and heard == [3] * 6
+
+
+# ---------------------------------------------------------------------- the weights watched, through the CLI
+WATCHED = [
+    "model=tiny_chat",
+    "model.sft.data.n=64",
+    "model.sft.args.num_train_epochs=1",
+    "trl.max_steps=2",
+    "trl.per_device_train_batch_size=8",
+    "trl.num_generations=4",
+    "rollout=vllm",
+    "eval.at_end=false",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sage_train_logs_the_weights_spread_cut_share_and_truncated_mass_every_step(tmp_path):
+    """``sage-train model=tiny_chat rollout=vllm`` (shrunk): the importance weights' spread and tail, the
+    share the correction mode cuts and the mass min_p 0.01 removed at the sampled tokens are in the run's
+    MLflow history once per optimiser step, and in its train_log.json."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": store}
+    out = tmp_path / "run"
+    r = prefork.run(
+        [sys.executable, "-m", "sage.train", *WATCHED, f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    keys = [importance.SPREAD_KEY, importance.TAIL_KEY, importance.CUT_KEY, importance.MASS_KEY]
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("sage").experiment_id])
+    for key in keys:
+        history = client.get_metric_history(run.info.run_id, f"train/{key}")
+        assert [m.step for m in history] == [1, 2], (key, history)
+        assert all(m.value == m.value for m in history), key  # not NaN
+    logged = [e for e in json.loads((out / "train_log.json").read_text()) if importance.SPREAD_KEY in e]
+    assert len(logged) == 2
+    for e in logged:
+        assert e[importance.SPREAD_KEY] >= 0 and 0 <= e[importance.CUT_KEY] <= 1
+        # trl=testbed's min_p 0.01 cuts some of the chat model's mass at the sampled tokens, and never most
+        assert 0.0 < e[importance.MASS_KEY] < 0.5, e

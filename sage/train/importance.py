@@ -38,7 +38,7 @@ TAIL = math.log(2.0)
 SPREAD_BOUND = 0.5
 """Warn above this standard deviation of the per-sequence log-ratio: for log-normal weights of that spread
 the batch's effective sample size is exp(-0.25) = 78% of its sequences, and the middle 90% of the weights
-span [0.44, 2.28]: a fifth of the batch's information goes to reweighting, not to the gradient."""
+span [0.44, 2.28] (log-ratios centred at 0): a fifth of the batch's information goes to reweighting."""
 CUT_BOUND = 0.05
 """Warn when the mode masks or clips more than this share of its units: a masked sequence is dropped from the
 policy gradient, and the ones dropped are the longest and the most mismatched, not a random sample."""
