@@ -495,12 +495,3 @@ def problem_ids(client, run_id: str, label: str, dataset: str, dst: Path) -> lis
     them (``<label>_<dataset>_problems.json``), or None (a run evaluated before they were logged)."""
     path = logged_artifact(client, run_id, label, f"{label}_{dataset}_problems.json", dst)
     return None if path is None else json.loads(path.read_text())
-
-
-def run_config(client, run_id: str, dst: Path):
-    """The run's resolved config (its ``config.yaml`` artifact) as a DictConfig."""
-    from omegaconf import OmegaConf
-
-    if "config.yaml" not in {a.path for a in client.list_artifacts(run_id)}:
-        raise ReportError(f"run {run_id} has no config.yaml artifact")
-    return OmegaConf.load(client.download_artifacts(run_id, "config.yaml", str(dst / run_id)))
