@@ -356,6 +356,30 @@ def summary(log: str, processes: int, planned: float | None) -> tuple[list[str],
     return lines, sound
 
 
+def sft_build(cfg, overrides: list[str], processes: int) -> tuple[list[str], list[str]] | None:
+    """(the words said, the command) that build the run's SFT stage first as a job of its own, as a grid's
+    launcher does: on the processes its batch can use, in a folder beside the run's; None without a stage
+    or with it in the cache."""
+    from sage.train.sft import BUILD_ONLY, cached_stage, stage_processes
+
+    if cfg.model.get("sft") is None or cached_stage(cfg) is not None:
+        return None
+    n = stage_processes(cfg.model.sft.args, processes)
+    own = [o for o in overrides if key_of(o) not in {"resume", *map(key_of, BUILD_ONLY)}]
+    own = [f"{o}-sft" if key_of(o) == "output_dir" else o for o in own]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    command = [sys.executable, *torchrun, "-m", "sage.train.main", *own, *BUILD_ONLY]
+    size = f"{n} process(es)" + (f": its batch cannot use {processes}" if n < processes else "")
+    said = [
+        "the SFT stage first, as a job of its own on",
+        f"{size}:",
+        "torchrun",
+        *torchrun[2:],
+        *command[5:],
+    ]
+    return said, command
+
+
 def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -387,10 +411,20 @@ def main(argv: list[str] | None = None) -> None:
     if not any(key_of(o) == "output_dir" for o in overrides):
         # a folder of its own each time: a finished run's folder would skip training and its evaluation
         overrides.append(f"output_dir=outputs/first_hour/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    # the grid's job order (sage.train.sft.sft_stages): an SFT stage not in the cache is built first, on
+    # the processes its batch can use, and the RL run starts from it
+    stage = sft_build(compose(overrides), overrides, args.processes)
+    if stage is not None:
+        print(f"{'would build' if args.plan_only else 'building'} {' '.join(stage[0])}", flush=True)
     command = " ".join(["torchrun", *torchrun[3:], "-m", "sage.train.main", *overrides])
     print("would run:" if args.plan_only else "running:", command, flush=True)
     if args.plan_only:
         return
+    if stage is not None:
+        r = subprocess.run(stage[1], capture_output=True, text=True)
+        if r.returncode != 0:
+            print((r.stdout + r.stderr)[-6000:])
+            sys.exit(f"first-hour SFT stage failed (exit {r.returncode}); the RL run did not start")
     r = subprocess.run([*torchrun, "-m", "sage.train.main", *overrides], capture_output=True, text=True)
     log = r.stdout + r.stderr
     if r.returncode != 0:

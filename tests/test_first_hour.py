@@ -101,6 +101,14 @@ def test_the_plan_of_a_paper_model_on_8_gpus_shrinks_sft_and_evaluation(capsys, 
     assert "SFT 256 rows x ~1024 tokens on 1 process(es)" in out
     # the wall time line comes before the command: nothing has run when it is printed
     assert out.index("expected wall time: about") < out.index("would run: ")
+    # Table 7's batch of one row: the SFT stage is built first on one process, as a grid's SFT job is
+    (build,) = [line for line in out.splitlines() if line.startswith("would build ")]
+    assert build.startswith(
+        "would build the SFT stage first, as a job of its own on 1 process(es): its batch cannot use 8: "
+        "torchrun --standalone --nproc_per_node=1 -m sage.train.main "
+    ), build
+    assert build.endswith("trl.max_steps=0 eval.at_end=false tracking.enabled=false")
+    assert out.index("would build ") < out.index("would run: ")
     command = [line for line in out.splitlines() if line.startswith("would run: ")]
     assert len(command) == 1
     words = command[0].split()
