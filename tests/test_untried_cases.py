@@ -6,7 +6,10 @@ entropy-bucket metrics of a guide that never fires."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,3 +188,147 @@ def test_archer_without_an_anchor_is_one_line_before_any_run(divergence, why, tm
         "(SAGE), forward_kl or sequence_kl with divergence.beta > 0, or guide=none"
     )
     assert only_hydra_files(tmp_path / "run") and not store.exists()  # no run, no MLflow store
+
+
+# ---------------------------------------------------------------- SLURM's preemption, then its requeue
+@pytest.fixture(scope="module")
+def preempted_and_requeued(tmp_path_factory):
+    """A run preempted as SLURM does it (SIGTERM to the job's process while it trains, a checkpoint every
+    step), then requeued: the same command again, with the ``resume=auto`` every launcher adds. Before the
+    requeue, the save that a SIGKILL after SLURM's grace period would cut short is left beside the
+    checkpoints: the next step's folder with its weights cut in half."""
+    from sage.tracking import RUN_ID_FILE
+    from sage.train.resume import checkpoint_problem
+
+    root = tmp_path_factory.mktemp("preempted")
+    out = root / "run"
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    command = (*QUICK, "trl.max_steps=4", "trl.save_steps=1", "resume=auto", f"output_dir={out}")
+    proc = sage_train_process(*command, env=env)
+    try:
+        said = read_until(proc, "step 2/4", deadline_s=900)
+        proc.send_signal(signal.SIGTERM)
+        said.append(proc.communicate(timeout=120)[0])
+    finally:
+        proc.kill()
+        proc.wait()
+    preempted = {"code": proc.returncode, "said": "".join(said), "run_id": (out / RUN_ID_FILE).read_text()}
+    rl = out / "rl"
+    whole = sorted(
+        (d for d in rl.glob("checkpoint-*") if checkpoint_problem(d) is None),
+        key=lambda d: int(d.name.split("-")[1]),
+    )
+    assert whole, preempted["said"][-3000:]
+    last = whole[-1]
+    cut = rl / f"checkpoint-{int(last.name.split('-')[1]) + 1}"
+    if not cut.exists():
+        shutil.copytree(last, cut)
+        weights = cut / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    requeued = sage_train(*command, env=env)
+    return preempted, last, cut, requeued, out, env["MLFLOW_TRACKING_URI"], command
+
+
+@pytest.mark.slow
+def test_a_preempted_run_requeued_continues_its_last_whole_checkpoint_and_its_mlflow_run(
+    preempted_and_requeued,
+):
+    """The preempted job says what it kept (exit 143); its requeue continues from the last whole checkpoint
+    (the cut one set aside, never loaded), trains each step once, and records into the same MLflow run,
+    each step's metrics once, the run FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from sage.tracking import RUN_ID_FILE
+
+    preempted, last, cut, requeued, out, store, _ = preempted_and_requeued
+    assert preempted["code"] == 143, preempted["said"][-3000:]
+    assert "Traceback" not in preempted["said"], preempted["said"][-3000:]
+    assert (
+        preempted["said"]
+        .strip()
+        .splitlines()[-1]
+        .startswith("terminated (SIGTERM): the MLflow run is marked KILLED; checkpoint-")
+    )
+    said = requeued.stdout + requeued.stderr
+    assert requeued.returncode == 0, said[-3000:]
+    assert f"resume=auto: continuing from {last}" in said, said[-3000:]
+    assert f"{cut} cannot be resumed from" in said and cut.with_name(f"{cut.name}.incomplete").is_dir()
+    history = json.loads((out / "train_log.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4]
+    assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 4
+
+    client = MlflowClient(store)
+    run_id = (out / RUN_ID_FILE).read_text()
+    assert run_id == preempted["run_id"]
+    every = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in every] == [run_id]  # the requeue started no run of its own
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for key in ("train/loss", "train/reward", "train/learning_rate"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4], key
+
+
+# --------------------------------------------------- a resume under another rollout backend or process count
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "env"),
+    [
+        (["rollout=fast"], {}),  # the run sampled its rollouts with rollout=hf (the default)
+        ([], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),  # torchrun's rank 0 of two
+    ],
+    ids=["rollout", "processes"],
+)
+def test_a_resume_under_another_rollout_or_process_count_is_one_line(preempted_and_requeued, change, env):
+    """Continuing a run with another rollout backend (another sampler of the training rollouts) or on
+    another number of processes (another batch per optimiser step: the trl.* keys stay the folder's) would
+    mix two runs in one. Each is one line naming what changed, before the process group, the model or the
+    MLflow run; the folder and its run are left as they were. Before, the process count was not checked:
+    the Trainer resumed on two processes with twice the batch, saying only, in a log line, that it found
+    no RNG file per process."""
+    from mlflow.tracking import MlflowClient
+
+    _, _, _, requeued, out, store, command = preempted_and_requeued
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    before = sorted(p.name for p in (out / "rl").iterdir()), (out / "config.yaml").read_text()
+    r = sage_train(*command, "trl.max_steps=6", *change, env={"MLFLOW_TRACKING_URI": store, **env})
+    line = one_line(r)
+    if change:
+        assert (
+            line.startswith(f"error: output_dir={out} holds a run of another config: ")
+            and "rollout_func" in line
+        )
+    else:
+        assert re.fullmatch(
+            rf"error: output_dir={re.escape(str(out))}: checkpoint-\d+ was trained on 1 process\(es\) \(4 "
+            r"completions per optimiser step\), this run has 2 \(8\): a resume keeps the run's batch; "
+            r"resume on 1 process\(es\), or choose another output_dir",
+            line,
+        ), line
+    assert (sorted(p.name for p in (out / "rl").iterdir()), (out / "config.yaml").read_text()) == before
+    client = MlflowClient(store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"  # not reopened
+
+
+@pytest.mark.parametrize(
+    ("rng_files", "then", "now"), [(["rng_state.pth"], 1, 2), (["rng_state_0.pth", "rng_state_1.pth"], 2, 1)]
+)
+def test_a_checkpoints_process_count_is_read_from_its_rng_states(tmp_path, rng_files, then, now):
+    """The Trainer saves one RNG state per process (rng_state.pth on one): a resume on another count is the
+    one line, whichever way it changes, before the process group exists (rank 0 of a torchrun of ``now``)."""
+    import torch
+
+    checkpoint = tmp_path / "run" / "rl" / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    for name in rng_files:
+        torch.save({"python": 0}, checkpoint / name)
+    ranks = {"WORLD_SIZE": str(now), "RANK": "0", "LOCAL_RANK": "0"} if now > 1 else {}
+    r = sage_train(
+        *QUICK, "tracking.enabled=false", "resume=auto", f"output_dir={tmp_path / 'run'}", env=ranks
+    )
+    assert one_line(r) == (
+        f"error: output_dir={tmp_path / 'run'}: checkpoint-3 was trained on {then} process(es) ({4 * then} "
+        f"completions per optimiser step), this run has {now} ({4 * now}): a resume keeps the run's batch; "
+        f"resume on {then} process(es), or choose another output_dir"
+    )
+    assert {p.name for p in (tmp_path / "run").iterdir()} <= {".hydra", "main.log", "rl"}  # nothing written

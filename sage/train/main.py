@@ -51,6 +51,7 @@ from sage.run_folder import (
     writer_lock,
 )
 from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
+from sage.train.resume import check_resume_processes, checkpoint_problem
 
 log = logging.getLogger("sage.train.main")
 
@@ -361,28 +362,6 @@ def set_aside_incomplete_checkpoints(rl_dir: Path) -> None:
             _set_aside(folder, folder.with_name(f"{folder.name}.incomplete"), problem)
 
 
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a Trainer checkpoint folder cannot be resumed from, read without loading it; None if it can."""
-    import zipfile
-
-    from sage.eval.checkpoint import weight_file_problem
-
-    try:
-        if not json.loads((folder / "trainer_state.json").read_text()):
-            return "trainer_state.json is empty"
-        for f in sorted(folder.iterdir()):
-            if not f.is_file():
-                continue
-            problem = weight_file_problem(f) if f.suffix == ".safetensors" or f.stat().st_size == 0 else None
-            if problem is None and f.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(f):
-                problem = f"{f.name} is not a whole torch file"  # torch.save writes a zip archive
-            if problem is not None:
-                return problem
-    except (OSError, ValueError):
-        return "trainer_state.json is missing or unreadable (killed while saving?)"
-    return None
-
-
 def _set_aside(folder: Path, aside: Path, why: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)  # an older attempt's leftover of the same step
     folder.rename(aside)
@@ -407,6 +386,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if batch_warning:  # the run's step against its trl preset's, said once
             log.warning(batch_warning)
     divergence, guide = build_parts(cfg)
+    check_resume_processes(cfg)  # every process alike, before the process group: the batch stays the run's
     distributed.init(timeout_s=cfg.trl.ddp_timeout)  # the Trainer's own timeout, for the group made here
     # Under torchrun each process has its own Hydra run dir (a timestamp): the main process's is the run's.
     out = Path(distributed.broadcast(str(cfg.output_dir or HydraConfig.get().runtime.output_dir))).resolve()
