@@ -118,9 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if moved:
         which = ", ".join(f"{method} ({'up' if d > 0 else 'down'} by {abs(d):.4f})" for method, d in moved)
         print(
-            f"**Decision: {which} moved the share.** A change of anchor strength at this world's fork can "
-            "move the primary, so the fork study's k3-Branch null is a calibrated statement about a pull of "
-            "at most 1.4x per position."
+            f"**Decision: {which} moved the share.** By the declared rule this world's primary registered "
+            "that arm; whether the arm is a pure change of anchor strength, and so whether it calibrates the "
+            "fork study's k3-Branch null, the rule does not say (dose_response.md reads it)."
         )
     else:
         open_ = [method for method, v, _ in verdicts if v == "inconclusive"]
