@@ -37,7 +37,7 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import OmegaConf
 
-from sage.train.sft import SFTStage, sft_stages
+from sage.train.sft import SFT_SUBDIR, SFTStage, sft_stages
 
 log = logging.getLogger(__name__)
 # this machine's mounts, whose filesystem types say which folders the jobs' nodes share
@@ -102,6 +102,9 @@ class LauncherCheck(Callback):
         if line is not None:
             print(f"error: {line}", file=sys.stderr)
             sys.exit(2)
+
+
+STAGE_FAILED = "the SFT stage failed: "  # an SFT job's failure as its log says it (_SageSubmitit.__call__)
 
 
 def with_resume_auto(overrides: list[str]) -> list[str]:
@@ -203,7 +206,13 @@ class _SageSubmitit:
 
         if submitit.JobEnvironment().num_tasks > 1:
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        ret = super().__call__(*args, **kwargs)  # type: ignore[misc]
+        stage = any(str(o).startswith(f"hydra.sweep.subdir={SFT_SUBDIR}/") for o in args[0])
+        if stage and ret.status != JobStatus.COMPLETED:
+            # Hydra returns a job's failure as a value, so the job's process would exit 0 and SLURM would
+            # count the SFT job a success: its afterok dependents would start. Raised, it exits non-zero.
+            raise RuntimeError(f"{STAGE_FAILED}{ret._return_value}")
+        return ret
 
     def _job_params(self, job_overrides, initial_job_idx: int, parent_id: str | None = None) -> list[tuple]:
         from sage.grid import name_keys, with_grid
@@ -345,7 +354,9 @@ class _SageSubmitit:
             said = [ln for ln in Path(job.paths.stderr).read_text(errors="replace").splitlines() if ln]
         except OSError:
             said = []
-        errors = [ln.removeprefix("error: ") for ln in said if ln.startswith("error: ")]
+        # the reason __call__ raised (a failure Hydra returned), else sage-train's own `error:` line
+        errors = [ln.split(STAGE_FAILED, 1)[1] for ln in said if STAGE_FAILED in ln]
+        errors = errors or [ln.removeprefix("error: ") for ln in said if ln.startswith("error: ")]
         lines = errors or [ln for ln in why.strip().splitlines() if ln.strip()] or ["no reason given"]
         return lines[-1].strip()[:300]
 

@@ -10,7 +10,7 @@ import subprocess
 from datetime import datetime
 
 import pytest
-from test_sweeps import job_folders, slurm_jobs, sweep
+from test_sweeps import final_states, job_folders, slurm_jobs, sweep
 
 # the SFT stage and the RL jobs at their smallest: what is checked is the order and who builds what
 SMALL_SFT = [
@@ -61,8 +61,9 @@ def test_a_grid_submits_its_sft_stage_first_and_its_jobs_after_it(slurm_cluster,
         timeout=900,
     )
     assert rc == 0, log[-4000:]
-    sft_id, array = slurm_jobs(sweep_dir)  # submitted first, so its id is the lower
+    sft_id, array = sorted(slurm_jobs(sweep_dir), key=int)  # submitted first, so its id is the lower
     assert f"sft: job {sft_id} builds the SFT stage of model=tiny_chat" in log, log[-4000:]
+    final_states(slurm_cluster, array)  # a task whose result is in may still be RUNNING for a moment
     ((_, sft_state, sft_end),) = sacct(slurm_cluster, sft_id, "JobID,State,End")
     tasks = sacct(slurm_cluster, array, "JobID,State,Start")
     assert sft_state == "COMPLETED" and len(tasks) == 2, (sft_state, tasks)
@@ -116,7 +117,11 @@ def test_a_failed_sft_job_ends_the_grid_in_one_line_and_no_rl_job_runs(slurm_clu
         -4000:
     ]
     assert "no SFT row fits" in last
-    sft_id, array = slurm_jobs(sweep_dir)
+    sft_id, array = sorted(slurm_jobs(sweep_dir), key=int)
+    final_states(slurm_cluster, array)
+    # the scheduler itself counts the SFT job failed, so the afterok jobs are cancelled without the driver
+    ((_, sft_state),) = sacct(slurm_cluster, sft_id, "JobID,State")
+    assert sft_state == "FAILED", sft_state
     tasks = sacct(slurm_cluster, array, "JobID,State,Start")
     assert len(tasks) == 2 and all(state.startswith("CANCELLED") for _, state, _ in tasks), tasks
     assert all(start in ("None", "Unknown", "") for _, _, start in tasks), tasks  # never started
