@@ -4,6 +4,7 @@ traceable): ``make reproduce-real-entropy-report`` prints each model's guide-dia
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,26 @@ def test_the_committed_tables_rebuild_byte_for_byte_from_the_data_file(model):
     assert (
         "| approach_word | " in r.stdout and " [" in r.stdout.split("| approach_word | ")[1].splitlines()[0]
     )
+    # the committed runs predate issue 58: their intervals resampled solutions, 2 per problem, and say so
+    assert "bootstrap over solutions" in r.stdout and "each problem has 2" in r.stdout
+    assert "may be too narrow" in r.stdout
+
+
+def test_a_run_that_resampled_problems_says_so(tmp_path):
+    """A diagnostics.json of the current code (its intervals over problems, `interval_clusters`) is printed
+    as such, without the warning the committed solution-level files carry."""
+    data = json.loads(
+        (REPO / "docs" / "results" / "data" / f"guide_diagnostics_{MODELS[0]}.json").read_text()
+    )
+    data["settings"]["interval_clusters"] = "problem"
+    path = tmp_path / "diagnostics.json"
+    path.write_text(json.dumps(data))
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "guide_summary.py"), str(path)],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )  # fmt: skip
+    assert "interval (bootstrap over problems, 2000 resamples" in r.stdout
+    assert "bootstrap over solutions" not in r.stdout and "too narrow" not in r.stdout
 
 
 def test_a_file_that_is_not_a_diagnostics_json_is_one_line(tmp_path):

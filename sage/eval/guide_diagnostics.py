@@ -197,13 +197,13 @@ def where_high(
     categories: np.ndarray,
     entropies: np.ndarray,
     thresholds: dict[str, float],
-    solution: np.ndarray | None = None,
+    cluster: np.ndarray | None = None,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Per threshold, each category's share among the tokens above it, its base rate among all tokens and
     their ratio (lift: above 1, high-entropy tokens fall there more often than tokens do), with an interval
-    clustered by solution (``solution``: each token's solution; :func:`lift_intervals`), and the mean
-    entropy of each category."""
+    clustered by ``cluster`` (each token's problem in :func:`diagnose`; :func:`lift_intervals`), and the
+    mean entropy of each category."""
     everything = np.ones(len(categories), dtype=bool)
     base = category_shares(categories, everything)
     out: dict[str, dict[str, Any]] = {
@@ -222,7 +222,7 @@ def where_high(
             "share": shares,
             "lift": {c: (shares[c] / base[c] if base[c] > 0 else math.nan) for c in CATEGORIES},
             "lift_interval": (
-                lift_intervals(categories, selected, solution, seed=seed) if solution is not None else {}
+                lift_intervals(categories, selected, cluster, seed=seed) if cluster is not None else {}
             ),
             # P(H > t | category): how often a token of the category is above the threshold
             "above_rate": {
@@ -234,22 +234,23 @@ def where_high(
 
 
 LEVEL = 0.95  # of the lifts' intervals
-DRAWS = 2000  # bootstrap resamples of the solutions
+DRAWS = 2000  # bootstrap resamples of the clusters (problems)
 
 
 def lift_intervals(
     categories: np.ndarray,
     selected: np.ndarray,
-    solution: np.ndarray,
+    cluster: np.ndarray,
     draws: int = DRAWS,
     seed: int = 0,
     level: float = LEVEL,
 ) -> dict[str, tuple[float, float]]:
     """Per category, a percentile bootstrap interval of its lift among the ``selected`` tokens (share among
-    them over share among all tokens), clustered by solution (``solution``: each token's solution index):
-    the solutions are resampled, not the tokens, since a solution's tokens share its problem, approach and
-    style and are not independent draws. A category absent from every resample gets (NaN, NaN)."""
-    _, sol = np.unique(solution, return_inverse=True)
+    them over share among all tokens), clustered (``cluster``: each token's cluster, its problem in
+    :func:`diagnose`): whole clusters are resampled, not tokens or solutions, since a solution's tokens share
+    its approach and style, and a problem's solutions share the problem, so neither are independent draws.
+    A category absent from every resample gets (NaN, NaN)."""
+    _, sol = np.unique(cluster, return_inverse=True)
     n_sol = int(sol.max()) + 1
     rng = np.random.default_rng(seed)
     weights = rng.multinomial(n_sol, np.full(n_sol, 1 / n_sol), size=draws).astype(float)  # (draws, n_sol)
@@ -580,6 +581,20 @@ def markdown(report: dict[str, Any]) -> str:
     """The summary tables of ``report`` (what :func:`diagnose` returns)."""
     s, e, w = report["settings"], report["entropy"], report["where"]
     names = list(e["above"])
+    # a diagnostics.json written before issue 58 has no interval_clusters: its intervals resampled solutions
+    clusters = s.get("interval_clusters", "solution")
+    if clusters == "problem":
+        interval = (
+            f"bootstrap over problems, {DRAWS} resamples: a problem's solutions and a solution's tokens are "
+            "not independent"
+        )
+    else:
+        interval = f"bootstrap over solutions, {DRAWS} resamples: a solution's tokens are not independent"
+        if s["n_samples"] > 1:
+            interval += (
+                f"; these resample solutions although each problem has {s['n_samples']}, so they leave out "
+                "the correlation of a problem's solutions and may be too narrow; a rerun resamples problems"
+            )
     lines = [
         f"# Guide diagnostics: {s['model']} on {', '.join(s['datasets'])}",
         "",
@@ -608,9 +623,8 @@ def markdown(report: dict[str, Any]) -> str:
         "## Where the high-entropy tokens fall",
         "",
         "Share of each category among all tokens (base rate) and among the tokens above each threshold, "
-        f"with the lift (share / base rate) and its {LEVEL:.0%} interval (bootstrap over solutions, "
-        f"{DRAWS} resamples: a solution's tokens are not independent); mean entropy and P(H > threshold) per "
-        "category.",
+        f"with the lift (share / base rate) and its {LEVEL:.0%} interval ({interval}); mean entropy and "
+        "P(H > threshold) per category.",
         "",
         "| category | base rate | mean H | "
         + " | ".join(f"share > {n} | lift > {n} | P(H > {n})" for n in names)
@@ -822,6 +836,7 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
             texts, special = token_texts(tokenizer, ids)
             records.append(
                 {
+                    "row": r,  # the problem's index: the unit the lifts' intervals resample
                     "problem_id": row.get("id", r),
                     "problem": row["problem"],
                     "ids": ids,
@@ -837,7 +852,7 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
 
     entropies = np.concatenate([x["entropy"] for x in records])
     categories = np.concatenate([np.array(x["categories"], dtype=object) for x in records])
-    solution = np.concatenate([np.full(len(x["entropy"]), i) for i, x in enumerate(records)])
+    problem = np.concatenate([np.full(len(x["entropy"]), x["row"]) for x in records])
     p_name = f"p{cfg.percentile:g}"
     p_threshold = float(np.percentile(entropies, cfg.percentile))
     thresholds = {"paper": PAPER_THRESHOLD, p_name: p_threshold}
@@ -865,9 +880,10 @@ def diagnose(cfg: DictConfig, model_label: str) -> tuple[dict[str, Any], str]:
             "empty_solutions": sum(len(s) for s in solutions) - len(records),
             "truncated_solutions": sum(len(x["ids"]) >= max_new for x in records),
             "entropy": "full-vocabulary next-token distribution at temperature 1, teacher-forced pass",
+            "interval_clusters": "problem",
         },
         "entropy": entropy_summary(entropies, [len(x["ids"]) for x in records], thresholds),
-        "where": where_high(categories, entropies, thresholds, solution, seed=int(cfg.seed)),
+        "where": where_high(categories, entropies, thresholds, problem, seed=int(cfg.seed)),
         "guides": {},
     }
     strengths = {
