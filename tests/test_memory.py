@@ -404,8 +404,9 @@ def test_the_plan_says_how_long_the_sft_stage_trains_and_the_command_that_builds
     assert "2 jobs with the same plan (job 0 [seed=1]; job 1 [seed=2]):" in out
     assert out.count("sft: build it first") == 0
     assert (
-        "sft: the launcher submits 1 SFT job first for model=tiny_sft model.sft.args.seed=91 (1 process(es)); "
-        "job(s) 0, 1 depend on it (SLURM afterok; locally they start after it) and do not run if it fails"
+        "sft: the launcher submits 1 SFT job first for model=tiny_sft model.sft.args.seed=91 (1 "
+        "process(es)); job(s) 0-1 (all 2) depend on it (SLURM afterok; locally they start after it) and do "
+        "not run if it fails"
     ) in out.splitlines()
     # a batch that splits is trained by the job's processes together: 4 rows each, the same 8 per step
     _, out, _ = plan(capsys, "model=tiny_sft", "processes=2", "trl.per_device_train_batch_size=32")
@@ -712,11 +713,14 @@ def test_a_testbed_grid_is_expanded_as_hydras_basic_sweeper_does(capsys):
     samples x 1 seed; the start model's cells are shared by the 21 jobs, so counted once."""
     code, out, err = plan(capsys, "-m", "hparams_search=table1", "seed=1,2,3")
     assert code == 0, err[-2000:]
-    jobs = [line for line in out.splitlines() if line.startswith("job ")]
-    assert len(jobs) == 21
-    assert (
-        jobs[0] == "job 0 [experiment=base seed=1]:" and jobs[-1] == "job 20 [experiment=grpo_branch seed=3]:"
-    )
+    # the jobs that plan alike are printed once: the base row's 3 and the trained rows' 18
+    heads = [line for line in out.splitlines() if not line.startswith(" ") and line.endswith(":")]
+    assert heads == [
+        "3 jobs with the same plan (job 0 [experiment=base seed=1]; job 1 [experiment=base seed=2]; job 2 "
+        "[experiment=base seed=3]):",
+        "18 jobs with the same plan (jobs 3-20: experiment=grpo,grpo_nokl,grpo_fkl,grpo_random,grpo_token,"
+        "grpo_branch x seed=1,2,3):",
+    ]
     assert "memory: not estimated (model.source is sage.testbed.model.build_tiny_model" in out
     assert "grid: 21 jobs x 1 processes (one GPU each)" in out
     assert "completions: training 115,200\n" in out  # 18 trained jobs x 100 steps x 64
@@ -747,7 +751,9 @@ def test_a_paper_grid_on_slurm_plans_every_job_at_its_processes(capsys, monkeypa
     assert code == 0, err[-2000:]
     assert "grid: 21 jobs x 8 processes (one GPU each)" in out
     assert "every job fits 80 GiB" in out
-    assert out.count("x 8 accumulation steps x 8 processes = 64 completions") == 21
+    # every job's batch, printed once per group of jobs that plan alike (the base row's 3, the 18 trained)
+    assert out.count("x 8 accumulation steps x 8 processes = 64 completions") == 2
+    assert "3 jobs with the same plan (" in out and "18 jobs with the same plan (jobs 3-20: " in out
     assert "completions: training 1,152,000\n" in out  # 18 x 1000 steps x 64
     assert "SQLite" not in out  # a tracking server
 
@@ -824,3 +830,35 @@ def test_the_command_line_runs_as_a_module():
         timeout=300,
     )
     assert r.returncode == 0 and ", fits (" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_big_grids_plan_names_its_identical_jobs_once_with_their_count_and_its_gpu_hours(capsys):
+    """Table 1's 7 rows x 3 seeds on 8-GPU nodes: the 18 trained jobs plan alike and are printed once, named
+    by their job numbers and the values they take; the grid's GPU-hours come from its steps and the stated
+    step time; every job depends on the one SFT job (the 7B model's stage is not on this machine)."""
+    code, out, _ = plan(
+        capsys,
+        "-m",
+        "hparams_search=table1",
+        "model=qwen2.5-math-7b",
+        *PAPER,
+        "seed=3407,1,2",
+        "trl.gradient_accumulation_steps=8",
+        "processes=8",
+        "step_s=120",
+    )
+    assert code == 0, out
+    heads = [line for line in out.splitlines() if "jobs with the same plan" in line]
+    assert heads[0].startswith("3 jobs with the same plan (job 0 [experiment=base seed=3407]; ")
+    assert heads[1] == (
+        "18 jobs with the same plan (jobs 3-20: experiment=grpo,grpo_nokl,grpo_fkl,grpo_random,grpo_token,"
+        "grpo_branch x seed=3407,1,2):"
+    )
+    # 6 trained rows x 3 seeds x 1,000 steps, 120 s each, on 8 GPUs: 18,000 x 120 x 8 / 3,600 = 4,800
+    assert "gpu-hours: 4,800.0 for RL training (18,000 optimiser steps x 120 s x 8 GPU(s); " in out
+    assert (
+        "sft: the launcher submits 1 SFT job first for model=qwen2.5-math-7b (1 process(es)); job(s) 0-20 "
+        "(all 21) depend on it (SLURM afterok; locally they start after it) and do not run if it fails"
+    ) in out.splitlines()
+    code, out, _ = plan(capsys, "model=tiny", "step_s=0")
+    assert code == 2

@@ -747,6 +747,8 @@ class JobPlan:
     base_key: str
     sft_build: list[str]  # the line with the command that builds the job's SFT stage first; [] without one
     steps: int = 0  # trl.max_steps: the RL optimiser steps the job trains
+    number: int = 0  # the job's number in the grid
+    shown: list[str] = field(default_factory=list)  # its overrides of the keys that vary over the grid
 
 
 def evaluation_phase(
@@ -816,13 +818,46 @@ def plan_job(cfg, label: str, gpu_gib: float, prompt_tokens: int, processes: int
     return JobPlan(label, lines, fits, total, training, evaluation, base_key, sft[1:])
 
 
-def same_plans(plans: list[JobPlan]) -> list[tuple[list[str], list[str]]]:
+def same_plans(plans: list[JobPlan]) -> list[tuple[str, list[str]]]:
     """The jobs grouped by identical plan lines (a grid's seeds plan alike), in the order of their first job:
-    (their labels, the lines)."""
-    groups: dict[tuple[str, ...], list[str]] = {}
+    (the group's heading, the lines). A group of more than ``LISTED`` jobs is named by its job numbers and the
+    values it takes of each varying key, not job by job."""
+    groups: dict[tuple[str, ...], list[JobPlan]] = {}
     for p in plans:
-        groups.setdefault(tuple(p.lines), []).append(p.label)
-    return [(labels, list(lines)) for lines, labels in groups.items()]
+        groups.setdefault(tuple(p.lines), []).append(p)
+    out = []
+    for lines, group in groups.items():
+        if len(group) == 1:
+            head = group[0].label
+        elif len(group) <= LISTED:
+            head = f"{len(group)} jobs with the same plan ({'; '.join(p.label for p in group)})"
+        else:
+            values: dict[str, list[str]] = {}
+            for p in group:
+                for o in p.shown:
+                    key, _, value = o.partition("=")
+                    values.setdefault(key, [])
+                    if value not in values[key]:
+                        values[key].append(value)
+            which = " x ".join(f"{k}={','.join(v)}" for k, v in values.items())
+            numbers = job_ranges([p.number for p in group])
+            head = f"{len(group)} jobs with the same plan (jobs {numbers}: {which})"
+        out.append((head, list(lines)))
+    return out
+
+
+LISTED = 4  # a group of up to this many jobs with one plan lists them one by one
+
+
+def job_ranges(numbers: list[int]) -> str:
+    """``0-2, 5, 7-9``: sorted job numbers with their runs joined."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def gpu_hours_line(plans: list[JobPlan], processes: int, step_s: float | None) -> str:
@@ -846,11 +881,12 @@ def stage_plan_lines(plans: list[JobPlan], stages) -> list[str]:
     per stage the cache lacks, and the jobs that depend on it; a stage in the cache needs no job."""
     lines = []
     for stage in stages:
-        held = ", ".join(str(i) for i in stage.dependents)
+        held = job_ranges(stage.dependents)
+        every = f" (all {len(plans)})" if len(stage.dependents) == len(plans) > 1 else ""
         lines.append(
             f"sft: the launcher submits 1 SFT job first for {stage.model} ({stage.processes} process(es)); "
-            f"job(s) {held} depend on it (SLURM afterok; locally they start after it) and do not run if it "
-            "fails"
+            f"job(s) {held}{every} depend on it (SLURM afterok; locally they start after it) and do not run "
+            "if it fails"
         )
     if any(p.sft_build for p in plans) and not stages:
         lines.append("sft: every SFT stage the jobs need is in the cache: no SFT job")
@@ -933,7 +969,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{label}: {e}" if len(jobs) > 1 else str(e)) from e
                 problems_of = count_problems(cfg.eval, problems)
                 plans.append(plan_job(cfg, label, gpu_gib, prompt_tokens, processes, problems_of))
-                plans[-1].steps = int(cfg.trl.max_steps)
+                plans[-1].steps, plans[-1].number, plans[-1].shown = (
+                    int(cfg.trl.max_steps),
+                    number,
+                    shown.split(),
+                )
             from sage.train.sft import sft_stages
 
             stages = sft_stages(lambda job: compose_train(hydra_args + job), jobs, processes)
@@ -943,12 +983,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(plans) == 1:
         print("\n".join(plans[0].lines))
     else:
-        for labels, lines in same_plans(plans):
-            head = (
-                labels[0]
-                if len(labels) == 1
-                else f"{len(labels)} jobs with the same plan ({'; '.join(labels)})"
-            )
+        for head, lines in same_plans(plans):
             print(head + ":\n" + "\n".join(f"  {line}" for line in lines))
         print("\n".join(grid_summary(plans, processes, gpu_gib)))
     print(gpu_hours_line(plans, processes, step_s))
