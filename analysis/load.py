@@ -84,7 +84,7 @@ PERIODIC_KEY = Key("pass_at_1", label="periodic")
 ANALYSIS_KEY = Key(r"(?P<kind>pattern|strategy|tier|rare_share)/(?P<name>[^/]+(?:/pass_at_\d+)?)")
 
 
-def open_store(uri: str | None):
+def open_existing_store(uri: str | None):
     """MlflowClient on ``uri`` (else $MLFLOW_TRACKING_URI, else the embedded store sage-train writes to).
     A SQLite store that does not exist is an error: MLflow would silently create an empty one."""
     from mlflow.tracking import MlflowClient

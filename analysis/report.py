@@ -903,7 +903,7 @@ def portable_uri(uri: str) -> str:
     return uri
 
 
-def portable_path(path: Path) -> str:
+def cwd_relative_path(path: Path) -> str:
     """A file as a committed report names it: relative to the folder sage-report ran from."""
     return os.path.relpath(path) if Path(path).is_absolute() else str(path)
 
@@ -980,7 +980,7 @@ def make_report(
         check_k(kk, runs, evals, flag)
     src, src_notes = sources(runs)
     notes += src_notes
-    ks = tables.default_ks(evals, k)
+    ks = tables.column_k_per_dataset(evals, k)
     notes += missing_eval_notes(src, evals, ks)
     notes += untrained_notes(runs)
     meas = measurements(src, evals)
@@ -1378,11 +1378,11 @@ def checked_flags(args: argparse.Namespace) -> list[int]:
 
 
 def readable_store(uri: str | None):
-    """``load.open_store`` and one query, under sage-train's probe limits: a corrupt SQLite file or a dead
-    or hung server is one line, not MLflow's traceback from the first table read."""
+    """``load.open_existing_store`` and one query, under sage-train's probe limits: a corrupt SQLite file or
+    a dead or hung server is one line, not MLflow's traceback from the first table read."""
     try:
         with probe_limits():
-            client, resolved = load.open_store(uri)
+            client, resolved = load.open_existing_store(uri)
             client.search_experiments(max_results=1)
     except ReportError:
         raise
@@ -1422,7 +1422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.snapshot:
             client = snapshot.SnapshotClient(args.snapshot)
-            uri = f"{portable_path(args.snapshot)} (snapshot of {client.source})"
+            uri = f"{cwd_relative_path(args.snapshot)} (snapshot of {client.source})"
         else:
             client, uri = readable_store(args.tracking_uri)
         if args.export:

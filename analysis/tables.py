@@ -189,7 +189,7 @@ def _num(v: float | None) -> str:
 
 
 # ------------------------------------------------------------------ the paper's tables
-def default_ks(evals: pd.DataFrame, k: int | None) -> dict[str, int]:
+def column_k_per_dataset(evals: pd.DataFrame, k: int | None) -> dict[str, int]:
     """The k of the "pass@k" column per dataset: ``k`` if given, else the largest k logged for it."""
     return {ds: int(k if k is not None else g["k"].max()) for ds, g in evals.groupby("dataset")}
 

@@ -265,7 +265,7 @@ def holder(out: Path, name: str = LOCK_FILE) -> str:
     return "a process that has not yet written its pid and host"
 
 
-def lock_holder(out: Path) -> str | None:
+def active_writer(out: Path) -> str | None:
     """Who is writing ``out`` now (its writer lock is held), or None. The test takes a shared lock for an
     instant: a writer starting in that instant is refused as if this were a writer, which only a second
     driver racing the first over the same folder can meet."""
@@ -306,7 +306,7 @@ def held_grid_job(config: Any) -> str | None:
     for number, job in enumerate(jobs):
         named = [o.split("=", 1)[1] for o in job if o.lstrip("+").startswith("output_dir=")]
         folder = Path(named[-1]) if named else sweep_dir / job_dir(job)
-        who = lock_holder(folder)
+        who = active_writer(folder)
         if who is not None:
             return (
                 f"job #{number} ({' '.join(job)}): output_dir={folder} is being written by another run "

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             client = SnapshotClient(Path(args.source))
         else:
-            client, _ = load.open_store(args.source)
+            client, _ = load.open_existing_store(args.source)
         print("\n".join(means(client, args.experiment, args.key, args.by_seed)))
     except ReportError as e:
         print(f"training_means: {e}", file=sys.stderr)

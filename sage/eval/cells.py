@@ -66,7 +66,7 @@ def rows_digest(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(graded, default=str).encode()).hexdigest()[:16]
 
 
-def file_digest(path: Path) -> str:
+def cell_file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -104,7 +104,7 @@ def _checked_cell(cell: Path, meta: dict, n_problems: int, n_samples: int) -> di
         raise _CellProblem("meta.json records no digests of the cell's files")
     for name in CELL_FILES:
         try:
-            actual = file_digest(cell / name)
+            actual = cell_file_digest(cell / name)
         except OSError as e:
             raise _CellProblem(f"{name} is unreadable ({e.strerror or e})") from None
         if actual != digests.get(name):
@@ -146,7 +146,7 @@ def store_cell(
         np.save(tmp / "correct.npy", correct)
         (tmp / "completions.json").write_text(json.dumps(completions))
         (tmp / "curve.json").write_text(json.dumps(pass_at_k_curve(correct)))
-        digests = {name: file_digest(tmp / name) for name in CELL_FILES}
+        digests = {name: cell_file_digest(tmp / name) for name in CELL_FILES}
         (tmp / "meta.json").write_text(json.dumps({"key": asdict(key), "ids": ids, "digests": digests}))
         if cell.exists():  # a stale cell under the same key (its problems changed): replaced, not mixed
             shutil.rmtree(cell)
