@@ -135,11 +135,13 @@ def test_a_local_grid_builds_its_sft_stage_first_once_and_says_how_each_job_ende
     before the grid's end."""
     sweep = tmp_path / "grid"
     stage = [*SMALL_SFT, f"model.sft.args.seed={os.getpid()}"]  # a stage no earlier run has built
+    tracked = [o for o in QUICK_RL if o != "tracking.enabled=false"]  # the grid's answer at its end
     rc, log = sage_train(
-        "-m", "hydra/launcher=local", *stage, "seed=1,2", *QUICK_RL, f"hydra.sweep.dir={sweep}"
+        "-m", "hydra/launcher=local", *stage, "seed=1,2", *tracked, f"hydra.sweep.dir={sweep}"
     )
     assert rc == 0, log[-4000:]
     lines = log.splitlines()
+    answer = next(i for i, ln in enumerate(lines) if ln.startswith("grid '") and ln.endswith("' finished"))
     submitted = next(i for i, ln in enumerate(lines) if "sft: job " in ln and "builds the SFT stage of" in ln)
     built = next(i for i, ln in enumerate(lines) if "built the SFT stage of model=tiny_chat" in ln)
     started = [
@@ -147,7 +149,7 @@ def test_a_local_grid_builds_its_sft_stage_first_once_and_says_how_each_job_ende
     ]
     ended = [i for i, ln in enumerate(lines) if "] COMPLETED after " in ln]
     assert len(started) == 2 and len(ended) == 2, log[-4000:]
-    assert submitted < built < min(started), log[-4000:]
+    assert submitted < built < min(started) and max(ended) < answer, log[-4000:]
     assert "#0 [seed=1] COMPLETED after " in lines[ended[0]] + lines[ended[1]]
     # built once: by the SFT job, in the sweep dir's .sft/ folder; both RL jobs found it in the cache
     (sft_job,) = (sweep / ".sft").iterdir()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sage.train.memory import DTYPE_BYTES, GIB, Architecture
+from sage.train.architecture import DTYPE_BYTES, GIB, Architecture
 
 # One CUDA context of a torch process (its kernels, cuBLAS's and cuDNN's handles and workspaces): about
 # 0.3-0.6 GiB on A100/H100 under CUDA's lazy module loading, which torch enables by default; 1 GiB bounds it
