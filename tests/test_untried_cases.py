@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -190,6 +191,31 @@ def test_archer_without_an_anchor_is_one_line_before_any_run(divergence, why, tm
     assert only_hydra_files(tmp_path / "run") and not store.exists()  # no run, no MLflow store
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "sequence_kl"])
+def test_archer_trains_under_every_divergence_with_an_anchor(divergence, tmp_path):
+    """guide=archer under each divergence that has an anchor trains: finite loss, divergence and q at every
+    step, Archer's split logged (q_high 0: the anchor released above each completion's 0.8 quantile), the
+    final model saved. (Its maths under each divergence: tests/test_guides.py.)"""
+    out = tmp_path / "run"
+    r = sage_train(
+        *QUICK,
+        "tracking.enabled=false",
+        "guide=archer",
+        f"divergence={divergence}",
+        "trl.max_steps=2",
+        f"output_dir={out}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"(algorithm=grpo, divergence={divergence}, guide=archer, beta=0.05)" in r.stdout
+    steps = [e for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2]
+    for entry in steps:
+        assert all(math.isfinite(entry[k]) for k in ("loss", "divergence", "kl", "guide/q_mean")), entry
+        assert entry["guide/q_high"] == 0.0 and entry["guide/quantile"] == 0.8
+    assert json.loads((out / "final" / "sage_final.json").read_text())["global_step"] == 2
+
+
 # ---------------------------------------------------------------- SLURM's preemption, then its requeue
 @pytest.fixture(scope="module")
 def preempted_and_requeued(tmp_path_factory):
@@ -332,3 +358,50 @@ def test_a_checkpoints_process_count_is_read_from_its_rng_states(tmp_path, rng_f
         f"resume on {then} process(es), or choose another output_dir"
     )
     assert {p.name for p in (tmp_path / "run").iterdir()} <= {".hydra", "main.log", "rl"}  # nothing written
+
+
+# ------------------------------------------------------------ the entropy buckets of a guide that never fires
+@pytest.mark.slow
+def test_a_guide_that_never_fires_logs_finite_buckets_and_says_so(tmp_path):
+    """guide=branch above every token's entropy leaves q at 1 everywhere: every bucket the step's tokens
+    fill logs finite statistics (q exactly 1), a bucket no token fell in logs its share, 0, and nothing
+    else (an empty bucket's mean is left out, never a NaN), MLflow holds no NaN, and the run ends with the
+    one warning that the guide acted nowhere."""
+    from mlflow.tracking import MlflowClient
+
+    from sage.objective.buckets import STATS
+    from sage.tracking import RUN_ID_FILE
+    from sage.train.figures import BUCKETS
+
+    store, out = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "run"
+    r = sage_train(
+        *QUICK,
+        "guide=branch",
+        "guide.threshold=100",
+        "trl.max_steps=2",
+        f"output_dir={out}",
+        env={"MLFLOW_TRACKING_URI": store},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [e for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2]
+    for entry in steps:
+        assert entry["guide/active_frac"] == 0.0
+        for bucket in BUCKETS:
+            share = entry[f"anchor_buckets/{bucket}/share"]
+            logged = {s: entry.get(f"anchor_buckets/{bucket}/{s}") for s in STATS}
+            if share == 0.0:  # no token of the step in this bucket: its share alone
+                assert all(v is None for s, v in logged.items() if s != "share"), (bucket, logged)
+            else:
+                assert all(v is not None and math.isfinite(v) for v in logged.values()), (bucket, logged)
+                assert logged["q"] == 1.0
+    assert any(e["anchor_buckets/q5/share"] > 0 for e in steps)  # the quintiles hold the step's tokens
+
+    client = MlflowClient(store)
+    run = client.get_run((out / RUN_ID_FILE).read_text())
+    buckets = {k: v for k, v in run.data.metrics.items() if k.startswith("train/anchor_buckets/")}
+    assert buckets and all(math.isfinite(v) for v in buckets.values()), buckets
+    assert "anchor_buckets.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert re.search(
+        r"guide.threshold=100(\.0)?: the guide acted on 0.00% of completion tokens", r.stdout + r.stderr
+    )
