@@ -1,6 +1,7 @@
 """The cases issue 56 had not yet tried, each probed through the command line as a user (or SLURM) meets it:
-SIGTERM while a run waits on another process's lock; SIGTERM as SLURM's preemption sends it and the requeued
-rerun with resume=auto; a resume under another rollout backend; guide=archer under every divergence; the
+SIGTERM while a run waits on another process's lock (the process must be gone within 5 s); SIGTERM as SLURM's
+preemption sends it and the requeued rerun with resume=auto; a resume under another rollout backend or on
+another number of processes; guide=archer under every divergence (refused where there is no anchor); the
 entropy-bucket metrics of a guide that never fires."""
 
 from __future__ import annotations
