@@ -223,7 +223,7 @@ def compare(
 
 
 # ------------------------------------------------------------------ per-problem labels and frames
-_TESTBED_ROWS = "sage.testbed.task.heldout_rows"
+_TESTBED_ROWS = "sage.testbed.task.heldout_rows"  # as the configs name it and runs log it (sage.data.arith)
 _TESTBED_PROBLEM = re.compile(r"(\d+)\*(\d+)\+(\d+)=")  # sage.eval.analyses.TESTBED_PROBLEM (torch-free)
 
 
@@ -236,10 +236,10 @@ def _param(value: str) -> int | str | None:
 def problem_labels(params: Mapping[str, str], dataset: str) -> tuple[list[str], list[str]] | str:
     """(ids, tiers) of the problems a run evaluated on ``dataset``, in the order of its correctness
     matrices, rebuilt from its logged params; or why not. Only the testbed's held-out problems are rebuilt
-    (generated, no file or download; their tier is ``sage.testbed.task.problem_tier``'s, in the run's
+    (generated, no file or download; their tier is ``sage.data.arith.problem_tier``'s, in the run's
     world as the evaluation's analyses took it: the fork world's rule in the fork world, else the
     multiplier's); a benchmark's rows live in files or on the hub that sage-report does not open."""
-    from sage.testbed.task import heldout_rows, problem_tier
+    from sage.data.arith import heldout_rows, problem_tier
 
     prefix = f"eval.datasets.{dataset}."
     target = params.get(prefix + "_target_")

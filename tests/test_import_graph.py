@@ -1,6 +1,7 @@
 """The house drawn from its imports: no module of sage/, analysis/, sweeps/ or launchers/ takes part in an
-import circle, and none imports an entry point. Static (ast): every import counts, at the top of a module or
-deferred inside a function, since a deferred import only hides a circle until the call."""
+import circle, none imports an entry point, and neither analysis/ nor sage.data reaches into the testbed.
+Static (ast): every import counts, at the top of a module or deferred inside a function, since a deferred
+import only hides a circle until the call."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("sage", "analysis", "sweeps", "launchers")
 # The console scripts' modules (pyproject's [project.scripts]) and the benchmark runner: what a user starts.
 ENTRY_POINTS = {"sage.train.main", "sage.eval.main", "sage.bench"}
+# (layer, what it must not import): analysis reads MLflow frames, never models; data is what any model reads.
+# What both need of the testbed's world is sage.data.arith (sage.testbed.task re-exports it).
+FORBIDDEN = [("analysis", "sage.testbed"), ("sage.data", "sage.testbed")]
 
 
 def module_files() -> dict[str, Path]:
@@ -109,5 +113,21 @@ def test_no_module_imports_an_entry_point():
         module: sorted(targets & ENTRY_POINTS)
         for module, targets in import_graph().items()
         if targets & ENTRY_POINTS and not module.endswith("__main__")
+    }
+    assert offenders == {}
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_analysis_and_data_do_not_import_the_testbed():
+    graph = import_graph()
+    assert "sage.data.arith" in graph["analysis.moved"] and "sage.data.arith" in graph["sage.data.datasets"]
+    offenders = {
+        (module, below): sorted(t for t in targets if within(t, below))
+        for module, targets in graph.items()
+        for layer, below in FORBIDDEN
+        if within(module, layer) and any(within(t, below) for t in targets)
     }
     assert offenders == {}

@@ -186,7 +186,7 @@ def sft_dataset(source: str, split: str, max_prompt_length: int, chat: bool) -> 
 
 def arith_sft_dataset(n: int, seed: int, chat: bool) -> Dataset:
     """Teacher traces of the testbed as an SFT set, to exercise the SFT stage offline."""
-    from sage.testbed.task import make_problems, teacher_completion
+    from sage.data.arith import make_problems, teacher_completion
 
     rng = random.Random(seed)
     rows = make_problems("train", n, seed)
