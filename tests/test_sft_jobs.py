@@ -1,7 +1,7 @@
 """A grid's SFT stage runs once, as a job of its own sized to its batch, before the jobs that start from it
 (issue 55): which stages a grid needs (``sage.train.sft.sft_stages``), how many processes each can use, and
 the local launcher's order, failure and progress lines through the command line. The SLURM launcher's
-dependency is tested on a real cluster in tests/integration/test_sft_jobs.py."""
+dependency is tested on a real cluster in tests/integration/test_slurm_sft_job.py."""
 
 from __future__ import annotations
 
