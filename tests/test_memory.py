@@ -734,16 +734,22 @@ def test_a_testbed_grid_is_expanded_as_hydras_basic_sweeper_does(capsys):
     assert code == 0 and "grid:" not in out and "completions: training 6,400 (100 steps" in out
 
 
+# the README's paper grid: Table 1's rows x 3 seeds at the 7B model, 8 processes a job (accumulation 8)
+PAPER_GRID = (
+    "-m",
+    "hparams_search=table1",
+    "model=qwen2.5-math-7b",
+    *PAPER,
+    "seed=3407,1,2",
+    "trl.gradient_accumulation_steps=8",
+)
+
+
 def test_a_paper_grid_on_slurm_plans_every_job_at_its_processes(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
     code, out, err = plan(
         capsys,
-        "-m",
-        "hparams_search=table1",
-        "model=qwen2.5-math-7b",
-        *PAPER,
-        "seed=3407,1,2",
-        "trl.gradient_accumulation_steps=8",
+        *PAPER_GRID,
         "hydra/launcher=slurm",
         "hydra.launcher.tasks_per_node=8",
         "hydra.launcher.gpus_per_node=8",
@@ -836,17 +842,7 @@ def test_a_big_grids_plan_names_its_identical_jobs_once_with_their_count_and_its
     """Table 1's 7 rows x 3 seeds on 8-GPU nodes: the 18 trained jobs plan alike and are printed once, named
     by their job numbers and the values they take; the grid's GPU-hours come from its steps and the stated
     step time; every job depends on the one SFT job (the 7B model's stage is not on this machine)."""
-    code, out, _ = plan(
-        capsys,
-        "-m",
-        "hparams_search=table1",
-        "model=qwen2.5-math-7b",
-        *PAPER,
-        "seed=3407,1,2",
-        "trl.gradient_accumulation_steps=8",
-        "processes=8",
-        "step_s=120",
-    )
+    code, out, _ = plan(capsys, *PAPER_GRID, "processes=8", "step_s=120")
     assert code == 0, out
     heads = [line for line in out.splitlines() if "jobs with the same plan" in line]
     assert heads[0].startswith("3 jobs with the same plan (job 0 [experiment=base seed=3407]; ")

@@ -14,26 +14,13 @@ import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from sft_job_args import QUICK_RL, SMALL_SFT
 
 from sage.config import register_configs
 from sage.train.sft import BUILD_ONLY, DONE_FILE, cached_stage, sft_stages, stage_identity, stage_processes
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
-# the SFT stage and the RL jobs at their smallest: what is checked is the order and who builds what
-SMALL_SFT = [
-    "model=tiny_chat",
-    "model.source.train_steps=20",  # a base model of its own, quick to build: what it says is not checked
-    "model.sft.data.n=16",
-    "model.sft.args.num_train_epochs=1",
-]
-QUICK_RL = [
-    "trl.max_steps=1",
-    "trl.per_device_train_batch_size=4",
-    "trl.num_generations=2",
-    "eval.at_end=false",
-    "tracking.enabled=false",
-]
 
 
 def compose_train(overrides: list[str]):

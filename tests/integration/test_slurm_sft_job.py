@@ -10,22 +10,8 @@ import subprocess
 from datetime import datetime
 
 import pytest
+from sft_job_args import QUICK_RL, SMALL_SFT
 from test_sweeps import final_states, job_folders, slurm_jobs, sweep
-
-# the SFT stage and the RL jobs at their smallest: what is checked is the order and who builds what
-SMALL_SFT = [
-    "model=tiny_chat",
-    "model.source.train_steps=20",  # a base model of its own, quick to build: what it says is not checked
-    "model.sft.data.n=16",
-    "model.sft.args.num_train_epochs=1",
-]
-QUICK_RL = [
-    "trl.max_steps=1",
-    "trl.per_device_train_batch_size=4",
-    "trl.num_generations=2",
-    "eval.at_end=false",
-    "tracking.enabled=false",
-]
 
 
 def sacct(env: dict[str, str], job_id: str, fields: str) -> list[list[str]]:
