@@ -142,6 +142,7 @@ def test_a_local_grid_builds_its_sft_stage_first_once_and_says_how_each_job_ende
     (sft_job,) = (sweep / ".sft").iterdir()
     assert "SFT stage trained on 1 process(es)" in (sft_job / "main.log").read_text()
     assert len(job_folders(sweep)) == 2
+    assert not (sweep / ".submitit" / "%j").exists()  # submitit's folder pattern, made literally, is removed
     for job in job_folders(sweep):
         main_log = (job / "main.log").read_text()
         assert "SFT stage already done" in main_log and "SFT stage trained" not in main_log
