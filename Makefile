@@ -41,8 +41,8 @@ run: install  ## the embedded default end to end: build/reuse the tiny base mode
 test: install services-install  ## the whole test suite, integration tests included (what CI runs)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
-test-fast: install  ## unit tests only (no slow runs, no services)
-	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
+test-fast: install  ## unit tests only (no slow runs, no services), on the same workers as make test
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not integration" $(ARGS)
 
 test-all: test  ## alias of test: nothing is skipped
 
