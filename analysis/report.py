@@ -990,7 +990,10 @@ def make_report(
     warnings = [w for w in [few_seeds_warning(meas, asked, min_seeds)] if w]
     trained_rows = sorted(src.loc[src["label"] == "trained", "row"].unique(), key=tables.row_key)
     ref_row, ref_why = reference_row(reference, trained_rows)
-    if ref_why is not None and reference is not None:  # asked for by name: a report without it is not one
+    # a name that is no row at all is a typo: refused; a row split by its settings keeps the report, whose
+    # note on the split says why there are no differences against it
+    split = any(r.startswith(f"{ref_row} [") for r in trained_rows)
+    if ref_why is not None and reference is not None and not split:
         raise ReportError(f"--reference {reference}: {ref_why}")
     with tempfile.TemporaryDirectory() as tmp_name:
         pv = ProblemValues(client, src, datasets, asked, Path(tmp_name))

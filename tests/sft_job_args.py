@@ -15,3 +15,11 @@ QUICK_RL = [
     "eval.at_end=false",
     "tracking.enabled=false",
 ]
+
+
+def new_stage() -> str:
+    """An SFT seed no earlier run has used, so that the stage is not in the model cache (a process id would
+    repeat across test sessions on one machine, and the cache outlives them)."""
+    import secrets
+
+    return f"model.sft.args.seed={secrets.randbelow(2**31)}"

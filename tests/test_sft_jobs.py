@@ -14,7 +14,7 @@ import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from sft_job_args import QUICK_RL, SMALL_SFT
+from sft_job_args import QUICK_RL, SMALL_SFT, new_stage
 
 from sage.config import register_configs
 from sage.train.sft import BUILD_ONLY, DONE_FILE, cached_stage, sft_stages, stage_identity, stage_processes
@@ -121,16 +121,22 @@ def test_a_local_grid_builds_its_sft_stage_first_once_and_says_how_each_job_ende
     either RL job starts (each of them finds it in the cache), and the driver prints a line as each job ends,
     before the grid's end."""
     sweep = tmp_path / "grid"
-    stage = [*SMALL_SFT, f"model.sft.args.seed={os.getpid()}"]  # a stage no earlier run has built
+    stage = [*SMALL_SFT, new_stage()]
     tracked = [o for o in QUICK_RL if o != "tracking.enabled=false"]  # the grid's answer at its end
     rc, log = sage_train(
         "-m", "hydra/launcher=local", *stage, "seed=1,2", *tracked, f"hydra.sweep.dir={sweep}"
     )
     assert rc == 0, log[-4000:]
     lines = log.splitlines()
-    answer = next(i for i, ln in enumerate(lines) if ln.startswith("grid '") and ln.endswith("' finished"))
-    submitted = next(i for i, ln in enumerate(lines) if "sft: job " in ln and "builds the SFT stage of" in ln)
-    built = next(i for i, ln in enumerate(lines) if "built the SFT stage of model=tiny_chat" in ln)
+
+    def first(said) -> int:
+        found = [i for i, ln in enumerate(lines) if said(ln)]
+        assert found, log[-4000:]
+        return found[0]
+
+    answer = first(lambda ln: ln.startswith("grid '") and ln.endswith("' finished"))
+    submitted = first(lambda ln: "sft: job " in ln and "builds the SFT stage of" in ln)
+    built = first(lambda ln: "built the SFT stage of model=tiny_chat" in ln)
     started = [
         i for i, ln in enumerate(lines) if ln.rstrip().endswith(")") and "] started (submitit id" in ln
     ]
@@ -153,7 +159,7 @@ def test_a_local_grid_builds_its_sft_stage_first_once_and_says_how_each_job_ende
 def test_a_failed_sft_job_ends_the_local_grid_in_one_line_and_no_rl_job_runs(tmp_path):
     sweep = tmp_path / "grid"
     # no SFT row fits 8 tokens: the stage fails inside its job, after the config checks
-    failing = [*SMALL_SFT, "model.sft.args.max_length=8", f"model.sft.args.seed={os.getpid()}"]
+    failing = [*SMALL_SFT, "model.sft.args.max_length=8", new_stage()]
     rc, log = sage_train(
         "-m", "hydra/launcher=local", *failing, "seed=1,2", *QUICK_RL, f"hydra.sweep.dir={sweep}"
     )

@@ -5,12 +5,11 @@ one line with no RL job run; with the stage cached, no SFT job is submitted."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from datetime import datetime
 
 import pytest
-from sft_job_args import QUICK_RL, SMALL_SFT
+from sft_job_args import QUICK_RL, SMALL_SFT, new_stage
 from test_sweeps import final_states, job_folders, slurm_jobs, sweep
 
 
@@ -35,7 +34,7 @@ def test_a_grid_submits_its_sft_stage_first_and_its_jobs_after_it(slurm_cluster,
     """Cold cache: 3 jobs (the SFT job and a 2-task array that depends on it); the array's tasks start after
     the SFT job ends, and only the SFT job trains the stage. The same grid again: the stage is cached, so no
     SFT job."""
-    stage = [*SMALL_SFT, f"model.sft.args.seed={os.getpid()}"]  # a stage no earlier run has built
+    stage = [*SMALL_SFT, new_stage()]
     sweep_dir = tmp_path / "cold"
     rc, log = sweep(
         slurm_cluster,
@@ -87,7 +86,7 @@ def test_a_grid_submits_its_sft_stage_first_and_its_jobs_after_it(slurm_cluster,
 def test_a_failed_sft_job_ends_the_grid_in_one_line_and_no_rl_job_runs(slurm_cluster, tmp_path):
     sweep_dir = tmp_path / "failing"
     # no SFT row fits 8 tokens: the stage fails inside its job, after the config checks
-    failing = [*SMALL_SFT, "model.sft.args.max_length=8", f"model.sft.args.seed={os.getpid()}"]
+    failing = [*SMALL_SFT, "model.sft.args.max_length=8", new_stage()]
     rc, log = sweep(
         slurm_cluster,
         "hydra/launcher=slurm",
