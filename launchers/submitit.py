@@ -177,7 +177,7 @@ def wall(seconds: float) -> str:
 
 def trained_pass_at_1(ret: JobReturn) -> str:
     """``, pass@1 <dataset> <value>`` for each dataset a finished job evaluated its trained model on."""
-    value = ret._return_value if ret.status == JobStatus.COMPLETED else None
+    value = ret.return_value if ret.status == JobStatus.COMPLETED else None
     if not isinstance(value, dict):
         return ""
     prefix = "pass_at_1/trained/"
@@ -240,8 +240,16 @@ class _SageSubmitit:
         def compose(overrides: list[str]):
             return self.hydra_context.config_loader.load_sweep_config(self.config, overrides)  # type: ignore
 
-        processes = processes_per_job(self.config.hydra.launcher, None)  # type: ignore[attr-defined]
-        return sft_stages(compose, job_overrides, processes)
+        self.processes = processes_per_job(self.config.hydra.launcher, None)  # type: ignore[attr-defined]
+        return sft_stages(compose, job_overrides, self.processes)
+
+    def _stage_executor(self, stage: SFTStage, **changes: Any):
+        """The executor of an SFT job: one node, the processes its batch can use, and as many GPUs when the
+        grid's jobs ask for GPUs per node."""
+        size: dict[str, Any] = {"nodes": 1, "tasks_per_node": stage.processes, **changes}
+        if self.params.get("gpus_per_node"):  # type: ignore[attr-defined]
+            size["gpus_per_node"] = stage.processes
+        return self._executor(**size)
 
     def _executor(self, **changes: Any):
         """submitit's executor with the launcher's parameters (as hydra-submitit-launcher builds it), with
@@ -282,7 +290,8 @@ class _SageSubmitit:
         self.stages = self._plan_stages(job_overrides)
         self.first_stage_num = initial_job_idx + len(job_overrides)
         self.started: dict[int, float] = {}  # job index -> when the driver saw it start
-        return self._executor(), self._job_params(job_overrides, initial_job_idx, self.parent_id)
+        self.params_of = self._job_params(job_overrides, initial_job_idx, self.parent_id)
+        return self._executor(), self.params_of
 
     def _finish(self, results: list[JobReturn]) -> list[JobReturn]:
         """The grid's parent run gets sage-report's output over its runs (also in the sweep dir's report/),
@@ -392,7 +401,6 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         executor, params = self._start(job_overrides, initial_job_idx)
-        self.params_of = params
         width = max(1, int(self.own["parallelism"]))
         results: dict[int, JobReturn] = {}
         # the SFT stages first, each one job (at most `width` at once), before any job that starts from one
@@ -401,10 +409,11 @@ class SageLocalLauncher(_SageSubmitit, LocalLauncher):
         while stages or stage_jobs:
             while stages and len(stage_jobs) < width:
                 k = stages.pop(0)
-                stage_jobs[k] = executor.submit(
-                    self, *self._stage_params(self.stages[k], self.first_stage_num + k)
+                stage = self.stages[k]
+                stage_jobs[k] = self._stage_executor(stage).submit(
+                    self, *self._stage_params(stage, self.first_stage_num + k)
                 )
-                log.info(stage_line(self.stages[k], stage_jobs[k].job_id, 1))
+                log.info(stage_line(stage, stage_jobs[k].job_id, self.processes))
             self._watch_stages(stage_jobs, {}, results, force=False)
             time.sleep(0.5)
         running: dict[int, Any] = {}
@@ -425,17 +434,15 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
         for line in submission_warnings(self.config, len(job_overrides)):  # before anything is submitted
             log.warning(line)
         executor, params = self._start(job_overrides, initial_job_idx)
-        self.params_of = params
-        processes = int(self.params["tasks_per_node"]) * int(self.params["nodes"])  # type: ignore[attr-defined]
         stage_jobs: dict[int, Any] = {}
         held = {i for stage in self.stages for i in stage.dependents}
         groups = [([i for i in range(len(params)) if i not in held], executor)]
         for k, stage in enumerate(self.stages):
-            job = self._executor(**self._stage_size(stage)).submit(
+            job = self._stage_executor(stage).submit(
                 self, *self._stage_params(stage, self.first_stage_num + k)
             )
             stage_jobs[k] = job
-            log.info(stage_line(stage, job.job_id, processes))
+            log.info(stage_line(stage, job.job_id, self.processes))
             extra = dict(self.params.get("additional_parameters") or {})  # type: ignore[attr-defined]
             # afterok: the jobs start only once the SFT job has succeeded; kill_on_invalid_dep: if it fails,
             # SLURM cancels them rather than leaving them pending for ever
@@ -455,11 +462,3 @@ class SageSlurmLauncher(_SageSubmitit, SlurmLauncher):
             self._collect(running, params, results, force and not stage_jobs)
             time.sleep(1)
         return self._finish([results[i] for i in range(len(params))])
-
-    def _stage_size(self, stage: SFTStage) -> dict[str, Any]:
-        """An SFT job's share of a grid job's resources: one node, the processes its batch can use, and as
-        many GPUs when the grid's jobs ask for GPUs per node."""
-        size: dict[str, Any] = {"nodes": 1, "tasks_per_node": stage.processes}
-        if self.params.get("gpus_per_node"):  # type: ignore[attr-defined]
-            size["gpus_per_node"] = stage.processes
-        return size

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import test_evaluate
 from omegaconf import OmegaConf
-from test_robustness import as_foreground, one_line_error, sage_train
+from support import one_line_error
+from test_robustness import as_foreground, sage_train
 from test_run_folder import TINY, compose  # the smallest real run, and a composed config
 
 from sage.config import ConfigError

@@ -22,6 +22,7 @@ import prefork
 import pytest
 import torch
 from omegaconf import OmegaConf
+from support import one_line_error, only_hydra_files
 from transformers.trainer_utils import get_last_checkpoint
 
 from sage.config import ConfigError
@@ -108,19 +109,6 @@ def as_foreground() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def one_line_error(r: subprocess.CompletedProcess) -> str:
-    """The whole stderr of a refused command: exit code 2 and exactly one line, returned."""
-    assert r.returncode == 2, r.stderr[-3000:]
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr[-3000:]
-    return lines[0]
-
-
-def only_hydra_files(run_dir: Path) -> bool:
-    """Nothing of the run itself: at most the run files Hydra writes into output_dir before the task."""
-    return not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "main.log"}
 
 
 def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_path):

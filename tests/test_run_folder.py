@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_robustness import as_foreground, entry_point, one_line_error, sage_eval, sage_train
+from support import one_line_error
+from test_robustness import as_foreground, entry_point, sage_eval, sage_train
 
 from sage.config import ConfigError
 from sage.run_folder import (

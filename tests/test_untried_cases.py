@@ -22,6 +22,7 @@ from unittest import mock
 import prefork
 import pytest
 from hydra import compose, initialize_config_dir
+from support import one_line_error, only_hydra_files
 
 REPO = Path(__file__).resolve().parents[1]
 # A shrunk run: one prompt group of two completions per step, no evaluation at the end.
@@ -35,19 +36,6 @@ def sage_train(*overrides: str, env: dict[str, str] | None = None) -> subprocess
         timeout=900,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
-
-
-def one_line(r: subprocess.CompletedProcess) -> str:
-    """The whole stderr of a refused command: exit code 2 and exactly one line, returned."""
-    assert r.returncode == 2, r.stderr[-3000:]
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr[-3000:]
-    return lines[0]
-
-
-def only_hydra_files(run_dir: Path) -> bool:
-    """Nothing of the run itself: at most the files Hydra writes into output_dir before the task."""
-    return not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "main.log"}
 
 
 def as_foreground() -> None:
@@ -185,7 +173,7 @@ def test_archer_without_an_anchor_is_one_line_before_any_run(divergence, why, tm
         f"output_dir={tmp_path / 'run'}",
         env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"},
     )
-    assert one_line(r) == (
+    assert one_line_error(r) == (
         f"error: guide=archer reshapes the anchor of a divergence, but {why}: choose divergence=reverse_kl "
         "(SAGE), forward_kl or sequence_kl with divergence.beta > 0, or guide=none"
     )
@@ -317,7 +305,7 @@ def test_a_resume_under_another_rollout_or_process_count_is_one_line(preempted_a
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     before = sorted(p.name for p in (out / "rl").iterdir()), (out / "config.yaml").read_text()
     r = sage_train(*command, "trl.max_steps=6", *change, env={"MLFLOW_TRACKING_URI": store, **env})
-    line = one_line(r)
+    line = one_line_error(r)
     if change:
         assert (
             line.startswith(f"error: output_dir={out} holds a run of another config: ")
@@ -353,7 +341,7 @@ def test_a_checkpoints_process_count_is_read_from_its_rng_states(tmp_path, rng_f
     r = sage_train(
         *QUICK, "tracking.enabled=false", "resume=auto", f"output_dir={tmp_path / 'run'}", env=ranks
     )
-    assert one_line(r) == (
+    assert one_line_error(r) == (
         f"error: output_dir={tmp_path / 'run'}: checkpoint-3 was trained on {then} process(es) ({4 * then} "
         f"completions per optimiser step), this run has {now} ({4 * now}): a resume keeps the run's batch; "
         f"resume on {then} process(es), or choose another output_dir"

@@ -417,12 +417,12 @@ def _short(text: str, keep: int = 60) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Written whole or not at all: another process loading the same benchmark may read it at any time. A
-    cache that cannot be written (a read-only home) only costs the check again next time."""
+    """``sage.paths.write_atomically`` (another process loading the same benchmark may read it at any time);
+    a cache that cannot be written (a read-only home) only costs the check again next time."""
+    from sage.paths import write_atomically
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(text)
-        partial.replace(path)
+        write_atomically(path, text)
     except OSError as error:
         log.warning("could not cache the gold-answer check in %s: %s", path.parent, error)

@@ -909,8 +909,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             problems: dict = {}
             plans = []
+            composed: dict[tuple[str, ...], object] = {}
             for number, job in enumerate(jobs):
-                cfg = compose_train(hydra_args + job)
+                cfg = composed[tuple(job)] = compose_train(hydra_args + job)
                 shown = " ".join(o for o in job if o.split("=", 1)[0] in varying)
                 label = f"job {number}" + (f" [{shown}]" if shown else "")
                 try:  # what sage-train refuses at composition, before any model is built
@@ -928,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             from sage.train.sft import sft_stages
 
-            stages = sft_stages(lambda job: compose_train(hydra_args + job), jobs, processes)
+            stages = sft_stages(lambda job: composed[tuple(job)], jobs, processes)  # each job composed once
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
