@@ -54,7 +54,7 @@ first-hour: install  ## plan, then 2 rollout=vllm steps and a tiny evaluation un
 	$(PY) -m launchers.first_hour --processes $(PROCESSES) $(ARGS)
 
 bench: install  ## speed/memory figures as `name: value` lines
-	$(PY) -m sage.bench $(ARGS)
+	$(PY) -m benchmarks.bench $(ARGS)
 
 lint: install  ## ruff check + format check
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

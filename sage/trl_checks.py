@@ -13,7 +13,9 @@ Three kinds of check, each failure one line naming the key:
 The objects built here never set up devices: ``TrainingArguments`` would join the launcher's process group
 on construction (before sage's own ``distributed.init`` and its timeout), so they see the run's number of
 processes without touching it. The plan checks a config for another machine (``here=False``): what depends
-on this machine's devices (bf16 on a GPU) is left to sage-train, which runs where the job runs.
+on this machine's devices (bf16 on a GPU) is left to sage-train, which runs where the job runs. Without a GPU,
+``bf16: true`` trains under the CPU's bfloat16 autocast, as the cluster does on its GPUs
+(:func:`cpu_precision`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, changed_only
+from sage.config import ConfigError, changed_only, cpu_computes_bfloat16
 
 # GRPOConfig's keys that sage-train supplies from keys of their own (sage.config.GRPO_RUNTIME): the key a
 # user sets for each.
@@ -54,6 +56,23 @@ def grpo_runtime(cfg: DictConfig) -> dict[str, Any]:
         "max_completion_length": cfg.model.max_completion_length,
         "model_init_kwargs": {"dtype": dtype, **(cfg.trl.model_init_kwargs or {})},
     }
+
+
+def cpu_precision(node: DictConfig, prefix: str) -> dict[str, Any]:
+    """What a TRL config with ``bf16: true`` needs besides its node to train on this machine's CPU, as the
+    cluster trains: under bfloat16 autocast (transformers refuses ``bf16`` without a GPU unless ``use_cpu``
+    says the CPU is meant). A CPU without bfloat16 arithmetic would emulate every product of the step, so it
+    is refused in one line naming the key (``prefix``: where the node sits). Empty where CUDA trains."""
+    import torch
+
+    if torch.cuda.is_available() or not node.get("bf16"):
+        return {}
+    if not cpu_computes_bfloat16():
+        raise ConfigError(
+            f"{prefix}.bf16=true: this CPU has no bfloat16 arithmetic (no AVX512-BF16 or AMX), so every "
+            f"product of the step would be emulated; set {prefix}.bf16=false to train in float32"
+        )
+    return {"use_cpu": True}
 
 
 # ---------------------------------------------------------------- ranges TRL does not check
@@ -238,6 +257,8 @@ def build_checked(node: DictConfig, prefix: str, processes: int, here: bool, **r
     cls = _planned(get_class(values.pop("_target_")), processes, here)
     if not here:  # a plan for another machine: this one's bf16 support says nothing about the job's GPUs
         values["use_cpu"] = True
+    else:
+        values.update(cpu_precision(node, prefix))
     every = {**OmegaConf.to_container(node, resolve=True, enum_to_str=True), **runtime}
     with tempfile.TemporaryDirectory(prefix="sage-trl-check-") as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said again when sage-train builds the run's own

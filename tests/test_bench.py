@@ -1,4 +1,4 @@
-"""``make bench`` (sage/bench.py): its sections are the ones ``--only`` accepts, and the train section,
+"""``make bench`` (benchmarks/bench.py): its sections are the ones ``--only`` accepts, and the train section,
 shrunk, times rollout=hf and rollout=fast in alternating runs and reports their ratio."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sage import bench
+from benchmarks import bench
 
 
 def test_only_names_every_section_and_refuses_others():
@@ -24,8 +24,8 @@ def test_only_names_every_section_and_refuses_others():
         "engine",
     ]
     assert all(f"- {name}:" in bench.__doc__ for name in bench.BENCHES)
-    command = [sys.executable, "-m", "sage.bench", "--only", "train,nope"]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "benchmarks.bench", "--only", "train,nope"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=bench.REPO)
     assert r.returncode == 2 and "unknown bench ['nope']" in r.stderr and "'train'" in r.stderr
 
 

@@ -19,6 +19,7 @@ from omegaconf.errors import ValidationError
 from sage.config import ConfigError, changed_only, default_ks, instantiate_node, register_configs, validate
 from sage.objective.divergences import SequenceKL
 from sage.train.main import grpo_args, lora_config
+from sage.trl_checks import cpu_precision
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["model", "data", "trl", "algorithm", "divergence", "guide", "schedule", "rollout", "eval"]
@@ -50,8 +51,11 @@ def bind(node) -> None:
 
 
 def needs_gpu(args) -> bool:
-    """TRL/transformers refuse bf16 training args where no GPU supports it; bind those instead."""
-    return bool(args.get("bf16")) and not torch.cuda.is_available()
+    """bf16 training args where neither a GPU nor this CPU computes bfloat16 are refused
+    (sage.trl_checks.cpu_precision); bind those instead."""
+    from sage.config import cpu_computes_bfloat16
+
+    return bool(args.get("bf16")) and not torch.cuda.is_available() and not cpu_computes_bfloat16()
 
 
 def wants_8bit(cfg) -> bool:
@@ -100,7 +104,10 @@ def test_option_composes_and_binds(group, option, tmp_path):
             if needs_gpu(cfg.model.sft.args):
                 bind(changed_only(cfg.model.sft.args))
             else:
-                instantiate_node(changed_only(cfg.model.sft.args), output_dir=str(tmp_path))
+                args = cfg.model.sft.args  # as sage.train.sft builds it: bf16 under the CPU's autocast here
+                instantiate_node(
+                    changed_only(args), output_dir=str(tmp_path), **cpu_precision(args, "model.sft.args")
+                )
     elif group == "eval":
         for ds in cfg.eval.datasets.values():
             bind(ds)
@@ -384,7 +391,7 @@ def test_paper_batch_shape_separates_micro_batch_from_the_step():
 
     cfg = cfg_for("trl=paper", "model=qwen2.5-math-7b")
     values = {k: v for k, v in OmegaConf.to_container(changed_only(cfg.trl)).items() if k != "_target_"}
-    values["bf16"] = False  # TRL refuses bf16 on this CPU; the batch arithmetic does not depend on it
+    values["bf16"] = False  # a CPU without bfloat16 refuses it; the batch arithmetic does not depend on it
     args = GRPOConfig(output_dir="/tmp/x", max_completion_length=cfg.model.max_completion_length, **values)
     line = describe_batch(args, num_processes=1, longest_prompt_tokens=300)
     # 8 prompts x 8 rollouts per optimiser step (Table 8), generated at once, one completion per forward pass
@@ -661,7 +668,8 @@ def test_the_plan_refuses_what_sage_train_refuses(capsys):
 
 # ------------------------------------------------------------------ the paper's batch, enforced (issue 55)
 # model=tiny_chat (an SFT stage, then LoRA RL, as at paper scale) shrunk to seconds: a small base model and
-# SFT stage of their own, one RL step, no evaluation; trl=paper as this CPU runs it (no 8-bit Adam, no bf16).
+# SFT stage of their own, one RL step, no evaluation; trl=paper as any CPU runs it (no 8-bit Adam, which needs
+# CUDA; no bf16, which needs a CPU with bfloat16 arithmetic).
 PAPER_HERE = [
     "model=tiny_chat",
     "model.source.train_steps=20",

@@ -1,4 +1,4 @@
-"""The house drawn from its imports: no module of sage/, analysis/, sweeps/ or launchers/ takes part in an
+"""The house drawn from its imports: no module of sage/, analysis/, sweeps/, launchers/ or benchmarks/ takes part in an
 import circle, none imports an entry point, and neither analysis/ nor sage.data reaches into the testbed.
 Static (ast): every import counts, at the top of a module or deferred inside a function, since a deferred
 import only hides a circle until the call."""
@@ -9,12 +9,15 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("sage", "analysis", "sweeps", "launchers")
+PACKAGES = ("sage", "analysis", "sweeps", "launchers", "benchmarks")
 # The console scripts' modules (pyproject's [project.scripts]) and the benchmark runner: what a user starts.
-ENTRY_POINTS = {"sage.train.main", "sage.eval.main", "sage.bench"}
+ENTRY_POINTS = {"sage.train.main", "sage.eval.main", "benchmarks.bench"}
 # (layer, what it must not import): analysis reads MLflow frames, never models; data is what any model reads.
 # What both need of the testbed's world is sage.data.arith (sage.testbed.task re-exports it).
-FORBIDDEN = [("analysis", "sage.testbed"), ("sage.data", "sage.testbed")]
+# Nothing installed imports benchmarks/, which only a clone has.
+FORBIDDEN = [("analysis", "sage.testbed"), ("sage.data", "sage.testbed")] + [
+    (installed, "benchmarks") for installed in ("sage", "analysis", "sweeps", "launchers")
+]
 
 
 def module_files() -> dict[str, Path]:
@@ -121,7 +124,7 @@ def within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def test_analysis_and_data_do_not_import_the_testbed():
+def test_analysis_and_data_do_not_import_the_testbed_nor_installed_code_the_benchmarks():
     graph = import_graph()
     assert "sage.data.arith" in graph["analysis.moved"] and "sage.data.arith" in graph["sage.data.datasets"]
     offenders = {

@@ -352,7 +352,7 @@ def test_the_plan_and_sage_train_refuse_a_step_that_is_not_the_papers(capsys, mo
     def init(timeout_s):
         raise Joined
 
-    paper_here = ("trl.bf16=false", "trl.optim=adamw_torch")  # what this CPU runs; the step is the same
+    paper_here = ("trl.bf16=false", "trl.optim=adamw_torch")  # runs on any CPU; the step is the same
     cfg = compose_train("trl=paper", *paper_here, "tracking.enabled=false", "eval.at_end=false")
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored after the test
     HydraConfig.instance().set_config(cfg)

@@ -86,10 +86,12 @@ def library_config(node: DictConfig, **runtime):
 
 def grpo_args(cfg: DictConfig, output_dir: Path):
     """TRL's GRPOConfig: the ``trl`` node (TRL's own keys), plus the facts that have their key elsewhere
-    (``sage.trl_checks.grpo_runtime``, which the plan-time check builds it with too)."""
-    from sage.trl_checks import grpo_runtime
+    (``sage.trl_checks.grpo_runtime``, which the plan-time check builds it with too); without a GPU,
+    ``trl.bf16`` trains under the CPU's bfloat16 autocast (``sage.trl_checks.cpu_precision``)."""
+    from sage.trl_checks import cpu_precision, grpo_runtime
 
-    return library_config(cfg.trl, output_dir=str(output_dir), **grpo_runtime(cfg))
+    runtime = grpo_runtime(cfg) | cpu_precision(cfg.trl, "trl")
+    return library_config(cfg.trl, output_dir=str(output_dir), **runtime)
 
 
 def rollout_function(cfg: DictConfig, args):

@@ -246,6 +246,7 @@ def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict
     from trl import SFTTrainer
 
     from sage.models import end_of_turn_token, policy_dtype
+    from sage.trl_checks import cpu_precision
 
     s = cfg.model.sft
     tokenizer = AutoTokenizer.from_pretrained(base_path)
@@ -268,6 +269,7 @@ def _train(cfg: DictConfig, base_path: str, folder: Path, peft_config, key: dict
             **(s.args.model_init_kwargs or {}),
         },
         **({"eos_token": stop} if stop else {}),
+        **cpu_precision(s.args, "model.sft.args"),  # model.sft.args.bf16 without a GPU: the CPU's autocast
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
     )

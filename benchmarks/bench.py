@@ -1,6 +1,8 @@
-"""``make bench`` (``python -m sage.bench [--only <section>,...]``, sections below): speed and memory
-figures, printed as ``name: value`` lines. Every comparison is measured side by side in one run (medians
-over repeats where timing is noisy), since other jobs share the machine's cores.
+"""``make bench`` (``python -m benchmarks.bench [--only <section>,...]`` from a clone's root, sections
+below): speed and memory figures, printed as ``name: value`` lines. A development tool, not part of the
+installed package: it times sage's internals (and wraps some of the trainer's methods to do so). Every
+comparison is measured side by side in one run (medians over repeats where timing is noisy), since other
+jobs share the machine's cores.
 
 - eval: sampled tokens/s of our evaluator's sampler vs the authors' approach (one ``generate`` call per
   problem with num_return_sequences=n), same testbed model, problems, n and max length; and the time the
@@ -20,7 +22,8 @@ over repeats where timing is noisy), since other jobs share the machine's cores.
 - real_rollout: the real 0.5B model's GRPO step (model=qwen2.5-coder-0.5b-instruct, LoRA, 8 MATH-500 prompts
   x 8 completions of at most REAL_TOKENS tokens) with ``rollout=hf`` (transformers' generate inside TRL) and
   ``rollout=vllm`` (the adapter served by vLLM's CPU build), each step split into the rollout and the rest,
-  with the engine's CPU seconds per wall second while it decodes;
+  with the engine's CPU seconds per wall second while it decodes, and the loss passes' forward and backward
+  with the trainer in bfloat16 (as trl=paper trains) against this machine's bfloat16 matrix-product limit;
 - engine: the real 0.5B model's evaluation through vLLM in the dtype its engines serve in here
   (``model.engine_dtype=auto``), eager and compiled (``eval.vllm_compile``), as FLOP/s of the tokens it
   computes, beside the matrix-product limit this process measures in that dtype, and their ratio;
@@ -45,6 +48,8 @@ from types import SimpleNamespace
 import psutil
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
+
 PROBLEMS, SAMPLES, REPEATS = 40, 64, 7
 OVERHEAD_STEPS, WARMUP_STEPS, OVERHEAD_PAIRS = 10, 2, 3
 TRAIN_STEPS, TRAIN_PAIRS = 10, 3
@@ -54,7 +59,7 @@ VLLM_PROMPTS, VLLM_SAMPLES, VLLM_REPEATS = 30, 8, 5
 # the 0.5B model over 64 sequences (old and reference log-probs, the loss with its backward), which on two
 # cores take minutes, so the length is kept short; 2 steps, the first a warm-up (the figures are the second's)
 # One step per backend: its rollout is the only work that differs, and TRL's log-prob passes and backward
-# over 64 sequences of the 0.5B model in float32 make each step minutes long on a CPU. vLLM's engine has
+# over 64 sequences of the 0.5B model make each step minutes long on a CPU. vLLM's engine has
 # run a forward pass when it is built (it sizes its KV cache from one), so the first step is not a warm-up.
 REAL_PROMPTS, REAL_GENERATIONS, REAL_TOKENS, REAL_STEPS = 8, 8, 32, 1
 ENGINE_PROMPTS, ENGINE_SAMPLES, ENGINE_TOKENS = 30, 8, 128  # the block issue 46 measured: 30 problems x 8
@@ -387,13 +392,14 @@ def _eval_processes_run(processes: int, problems: int) -> tuple[float, float]:
             [
                 *launcher,
                 "-m",
-                "sage.bench",
+                "benchmarks.bench",
                 "--eval-processes-worker",
                 str(result),
                 "--problems",
                 str(problems),
             ],
             env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            cwd=REPO,  # the module is found from the clone's root, as `make bench` runs it
             capture_output=True,
             text=True,
         )
@@ -514,6 +520,51 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
+def trainer_precision() -> dict:
+    """The real-model step's GRPOConfig precision keys: as ``trl=paper`` trains a paper model on the cluster
+    (the frozen base in bfloat16 under bf16 autocast), here under the CPU's bfloat16 autocast
+    (``sage.trl_checks.cpu_precision``) where this machine computes bfloat16; float32 where it does not
+    (``real_trainer_dtype`` says which)."""
+    from omegaconf import OmegaConf
+
+    from sage.models import policy_dtype
+    from sage.trl_checks import cpu_precision
+
+    if not trainer_computes_bfloat16():
+        return {"bf16": False}
+    # the paper's models: a bfloat16 checkpoint whose frozen base LoRA keeps in bfloat16 (model.dtype)
+    frozen = policy_dtype("bfloat16", lora=True)
+    return {
+        "bf16": True,
+        "model_init_kwargs": {"dtype": frozen},
+        **cpu_precision(OmegaConf.create({"bf16": True}), "trl"),
+    }
+
+
+def trainer_computes_bfloat16() -> bool:
+    from sage.config import cpu_computes_bfloat16
+
+    return torch.cuda.is_available() or cpu_computes_bfloat16()
+
+
+def _matrix_params(arch) -> int:
+    """Parameters of a Qwen2-style model's matrix products per token (attention's projections, the MLP's
+    three, and the output layer): a forward pass costs 2 FLOPs per such parameter per token."""
+    hidden, inner, layers = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
+    kv = arch.num_key_value_heads * (hidden // arch.num_attention_heads)
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner
+    return layers * per_layer + hidden * arch.vocab_size
+
+
+def _gemm_limit(dtype: torch.dtype, rows: int, arch) -> float:
+    """This process's matrix-product limit in ``dtype``: the best of the model's widest layer (hidden x
+    intermediate) at ``rows`` rows and a square product of 2048."""
+    return max(
+        _gemm_flops(dtype, rows, arch.hidden_size, arch.intermediate_size),
+        _gemm_flops(dtype, 2048, 2048, 2048),
+    )
+
+
 def _real_step_times(
     rollout: str, model: str, dataset, steps: int, tokens: int, served: dict
 ) -> dict[str, list[float]]:
@@ -540,9 +591,11 @@ def _real_step_times(
         "others_cpu_per_wall": [],
         "forward": [],
         "backward": [],
+        "loss_tokens": [],
         "engine_cpu_per_wall_in_loss": [],
     }
-    parts = {"forward": 0.0, "backward": 0.0, "engine_cpu": 0.0}
+    # per step: the loss passes' seconds, the engine's CPU seconds meanwhile, and the tokens they computed
+    parts = {"forward": 0.0, "backward": 0.0, "engine_cpu": 0.0, "loss_tokens": 0.0}
     available: list[int] = []  # the machine's available memory after each loss pass
     me, engine = psutil.Process(), []
     with tempfile.TemporaryDirectory() as tmp:
@@ -560,10 +613,10 @@ def _real_step_times(
             save_strategy="no",
             report_to="none",
             logging_steps=1,
-            bf16=False,
             gradient_checkpointing=False,
             temperature=0.7,
             seed=0,
+            **trainer_precision(),
         )
         lora = LoraConfig(
             r=8,
@@ -645,6 +698,9 @@ def _real_step_times(
             method = getattr(owner, "compute_loss" if name == "forward" else "backward")
 
             def timed_part(*a, _method=method, _name=name, **kw):
+                if _name == "forward":  # compute_loss(model, inputs): the rows as padded
+                    inputs = a[1]
+                    parts["loss_tokens"] += inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
                 t0, engine0 = time.perf_counter(), _cpu_seconds(engine)
                 try:
                     return _method(*a, **kw)
@@ -666,22 +722,29 @@ def _real_step_times(
     return times
 
 
-def _real_backend(backend: str, steps: int, tokens: int) -> dict[str, list[float]]:
-    """``_real_step_times`` of one backend on the real model and the bench's prompts (run in a process of
-    its own by :func:`bench_real_rollout`)."""
-    from datasets import Dataset
+def _real_model():
+    """(the composed config of the real 0.5B model under rollout=vllm, its converted folder)."""
     from hydra import compose, initialize_config_dir
 
     from sage.config import register_configs
-    from sage.data.benchmarks import math_data
-    from sage.data.prompts import make_prompt
     from sage.models import from_package_gguf
     from sage.paths import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=qwen2.5-coder-0.5b-instruct", "rollout=vllm"])
-    model = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
+    return cfg, from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
+
+
+def _real_backend(backend: str, steps: int, tokens: int) -> dict[str, list[float]]:
+    """``_real_step_times`` of one backend on the real model and the bench's prompts (run in a process of
+    its own by :func:`bench_real_rollout`)."""
+    from datasets import Dataset
+
+    from sage.data.benchmarks import math_data
+    from sage.data.prompts import make_prompt
+
+    cfg, model = _real_model()
     rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()]
     easy = sorted((r for r in rows if r.get("level") == 1), key=lambda r: len(r["problem"]))[:REAL_PROMPTS]
     dataset = Dataset.from_list(
@@ -704,9 +767,22 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
     with the engine's CPU seconds per wall second meanwhile) and the optimiser. It is the same work for
     both: under rollout=vllm the importance-sampling correction's ratio comes from the training forward
     (one generation batch per optimiser step), not from TRL's extra log-prob pass over the rollouts
-    (sage.train.trainer)."""
+    (sage.train.trainer). The trainer computes as ``trl=paper`` does (:func:`trainer_precision`); its loss
+    passes' rate counts 2 FLOPs per matrix parameter per token they compute (the rows as padded), for the
+    backward as for the forward (the input gradients through the frozen base; the LoRA factors' own are a
+    small fraction), beside the matrix-product limit this process measures in the trainer's dtype."""
+    from transformers import AutoConfig
+
+    bf16 = trainer_computes_bfloat16()
+    arch = AutoConfig.from_pretrained(_real_model()[1])
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    limit = _gemm_limit(dtype, 1024, arch)
     out: dict[str, float | str] = {
-        "real_rollout_shape": f"{REAL_PROMPTS} prompts x {REAL_GENERATIONS} completions x <= {tokens} tokens"
+        "real_rollout_shape": f"{REAL_PROMPTS} prompts x {REAL_GENERATIONS} completions x <= {tokens} tokens",
+        "real_trainer_dtype": "bfloat16 (bf16 autocast, the frozen base in bfloat16)"
+        if bf16
+        else "float32 (this machine has no bfloat16 arithmetic)",
+        "real_trainer_gemm_limit_gflops": round(limit / 1e9, 1),
     }
     medians = {}
     for backend in ("hf", "vllm"):
@@ -715,7 +791,7 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
                 [
                     sys.executable,
                     "-m",
-                    "sage.bench",
+                    "benchmarks.bench",
                     "--real-backend",
                     backend,
                     "--real-out",
@@ -726,6 +802,7 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
                     str(tokens),
                 ],
                 check=True,
+                cwd=REPO,
             )
             times = json.loads(Path(result.name).read_text())
         m = {k: statistics.median(v) for k, v in times.items() if v}
@@ -737,6 +814,10 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
         out[f"real_rest_seconds_{backend}"] = round(rest, 1)
         out[f"real_loss_forward_seconds_{backend}"] = round(m["forward"], 1)
         out[f"real_loss_backward_seconds_{backend}"] = round(m["backward"], 1)
+        flops = 2 * _matrix_params(arch) * m["loss_tokens"]
+        for part in ("forward", "backward"):
+            out[f"real_loss_{part}_gflops_{backend}"] = round(flops / m[part] / 1e9, 1)
+            out[f"real_loss_{part}_over_gemm_limit_{backend}"] = round(flops / m[part] / limit, 2)
         out[f"real_completion_mean_length_{backend}"] = round(m["completion_length"], 1)
         out[f"real_available_gib_in_loss_{backend}"] = round(m["available_gib_in_loss"], 1)
         out[f"real_rollout_cpu_per_wall_{backend}"] = round(m["cpu_per_wall"], 2)
@@ -789,15 +870,8 @@ def bench_engine(prompts: int = ENGINE_PROMPTS, samples: int = ENGINE_SAMPLES) -
     dtype = engine_dtype(str(cfg.model.engine_dtype), str(cfg.model.dtype))
     path = from_package_gguf(list(cfg.model.source.packages), cfg.model.source.sha256)
     arch = AutoConfig.from_pretrained(path)
-    hidden, inner, layers = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
-    kv = arch.num_key_value_heads * (hidden // arch.num_attention_heads)
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner
-    matrix_params = layers * per_layer + hidden * arch.vocab_size  # the output layer's product too
-    torch_dtype = getattr(torch, dtype)
-    limit = max(
-        _gemm_flops(torch_dtype, prompts * samples, hidden, inner),
-        _gemm_flops(torch_dtype, 2048, 2048, 2048),
-    )
+    matrix_params = _matrix_params(arch)
+    limit = _gemm_limit(getattr(torch, dtype), prompts * samples, arch)
     rows = [json.loads(line) for line in Path(math_data("math500.jsonl")).read_text().splitlines()][:prompts]
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenize_prompts(tokenizer, rows, chat=True)

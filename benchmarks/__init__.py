@@ -1,0 +1,1 @@
+"""Development benchmarks (`make bench`): not part of the installed package; run from a clone."""
