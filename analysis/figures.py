@@ -66,7 +66,7 @@ OTHER_ROWS = "0.7"  # the grey of the other rows' lines in a row's pass@k panel
 def passk_curves(curves: pd.DataFrame, out_dir: Path, bands: pd.DataFrame | None = None) -> list[Path]:
     """Figure 3: pass@k against k = 1..n (log scale) per dataset (:func:`passk_panels`), one PNG each.
     ``curves``: row, seed, dataset, k, value. ``bands``: row, dataset, k, lo, hi (the bootstrap band of
-    ``report.curve_bands``); a row without one gets mean ± std over seeds."""
+    ``analysis.sections.curves.curve_bands``); a row without one gets mean ± std over seeds."""
     return [
         _save(passk_panels(sub, str(ds), bands), out_dir / f"passk_{_slug(str(ds))}.png")
         for ds, sub in curves.groupby("dataset")

@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis import bootstrap, figures, report, tables
+from analysis import assemble, bootstrap, figures, report, selection, tables
 from analysis.bootstrap import Interval
+from analysis.sections import differences
 from analysis.tables import Diff
 from sage.metrics import pass_at_k, pass_at_k_over_seeds
 
@@ -607,12 +608,12 @@ def test_few_seeds_warning_names_trained_rows_only():
         + [("GRPO + Branch", s, "trained") for s in (1, 2, 3)],
         columns=["row", "seed", "label"],
     )
-    w = report.few_seeds_warning(meas, [1, 2, 3, 4, 5], 5)
+    w = selection.few_seeds_warning(meas, [1, 2, 3, 4, 5], 5)
     assert w is not None and "\n" not in w
     assert w.startswith("fewer than 5 training seeds for Table 1 methods: GRPO + Branch (3);")
     assert "GRPO (" not in w and "base" not in w
-    assert report.few_seeds_warning(meas, [1, 2, 3, 4, 5], 3) is None
-    assert "GRPO (2), GRPO + Branch (2)" in report.few_seeds_warning(meas, [1, 2], 5)  # asked seeds only
+    assert selection.few_seeds_warning(meas, [1, 2, 3, 4, 5], 3) is None
+    assert "GRPO (2), GRPO + Branch (2)" in selection.few_seeds_warning(meas, [1, 2], 5)  # asked seeds only
 
 
 # ------------------------------------------------------------------ a whole report
@@ -686,7 +687,7 @@ def synth(tmp_path_factory):
 
 def make(synth, name, **kw):
     out = synth["root"] / name / "r.md"
-    return report.make_report(
+    return assemble.make_report(
         synth["client"],
         synth["uri"],
         experiment="boot",
@@ -740,7 +741,7 @@ def test_report_intervals_from_the_logged_matrices(synth):
 
     md = rep.markdown
     assert "## Differences against GRPO" in md and "## Differences against the start model" in md
-    assert md.count(report.NOISE_SENTENCE) == 3  # the head and both sections
+    assert md.count(differences.NOISE_SENTENCE) == 3  # the head and both sections
     assert f"| GRPO w/o KL | {vs_grpo.cell('GRPO w/o KL', f'{DS} pass@1').text()} |" in md
     # each table states its family and its power below it
     family = sum(c.interval.has_interval for _, cells in vs_grpo.rows for c in cells if isinstance(c, Diff))
@@ -856,5 +857,5 @@ def test_report_options_reference_seed_and_no_bootstrap(synth, capsys):
     assert "warning: fewer than 5 training seeds for Table 1 methods: GRPO (2)," in err
     assert report.main([*argv, "--bootstrap", "0"]) == 0
     md = out.read_text()
-    assert "Differences" not in md and report.NOISE_SENTENCE not in md
+    assert "Differences" not in md and differences.NOISE_SENTENCE not in md
     assert "bands: mean ± std over training seeds" in md

@@ -16,8 +16,9 @@ import pandas as pd
 import prefork
 import pytest
 
-from analysis import load, report, snapshot, tables
+from analysis import assemble, load, report, snapshot, tables
 from analysis.load import ReportError
+from analysis.sections import differences
 from analysis.tables import Stat, stat
 from sage.eval.analyses import TESTBED_PROBLEM
 from sage.testbed.task import heldout_rows, tier_of
@@ -268,7 +269,7 @@ def report_main(store, capsys, *args, out=None):
 @pytest.fixture(scope="module")
 def built(store):
     out = store["root"] / "report" / "testbed.md"
-    return report.make_report(
+    return assemble.make_report(
         store["client"],
         store["uri"],
         experiment="report",
@@ -290,7 +291,7 @@ def test_the_primary_comparison_comes_first_with_the_tables_interval_outside_its
     assert f"{BRANCH} minus {GRPO} on {DS} at pass@4: **{replace(cell, holm=False).text()}**" in first
     assert f"p = {cell.interval.p:.3f}" in first and f"80% power: {cell.interval.mde:.3f}" in first
     with pytest.raises(report.ReportError, match=r"no trained row 'GRPO \+ Nope'"):
-        report.primary_section(None, ("GRPO + Nope", DS, 4), GRPO, [GRPO, BRANCH], [0, 1])
+        differences.primary_section(None, ("GRPO + Nope", DS, 4), GRPO, [GRPO, BRANCH], [0, 1])
     assert report.primary_comparison("grpo_branch|arith_tail|256") == ("grpo_branch", "arith_tail", 256)
     for bad in ("grpo_branch|arith_tail", "grpo_branch|arith_tail|0", "a|b|c"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected METHOD\\|DATASET\\|K"):
@@ -523,7 +524,9 @@ def test_intervals_from_the_real_runs_correctness_matrices(store, built):
         one = vs_grpo.cell(BRANCH5, f"{DS} pass@{k}")  # one seed: no interval, never marked
         assert not one.interval.marked and one.text().endswith("(1 seed: no interval)")
     assert built.warnings and built.warnings[0].startswith("fewer than 5 training seeds for Table 1 methods:")
-    assert f"**Warning:** {built.warnings[0]}" in built.markdown and report.NOISE_SENTENCE in built.markdown
+    assert (
+        f"**Warning:** {built.warnings[0]}" in built.markdown and differences.NOISE_SENTENCE in built.markdown
+    )
     csv = (store["root"] / "report" / "tables" / "diff_vs_base.csv").read_text()
     assert csv.startswith("row,column,diff,lo,hi,excludes_zero,marked,")
     assert "bands: 95% bootstrap interval over problems and training seeds" in built.markdown
@@ -548,8 +551,8 @@ def test_params_that_follow_the_training_seed_do_not_split_rows():
 def test_provenance_records_a_relative_store(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "outputs" / "mlflow.db"
-    assert report.portable_uri(f"sqlite:///{db}") == "sqlite:///outputs/mlflow.db"
-    assert report.portable_uri("postgresql://user:pw@host/db") == "postgresql://***@host/db"
+    assert assemble.portable_uri(f"sqlite:///{db}") == "sqlite:///outputs/mlflow.db"
+    assert assemble.portable_uri("postgresql://user:pw@host/db") == "postgresql://***@host/db"
 
 
 def test_a_k_above_every_evaluations_n_is_one_line(tmp_path):
