@@ -4,7 +4,7 @@
     make first-hour PROCESSES=8 \
         ARGS="model=qwen2.5-math-7b trl=paper data=dapo_math_17k trl.gradient_accumulation_steps=8"
 
-It prints the plan of the run (``python -m sage.train.memory``: batch and per-device memory) and its expected
+It prints the plan of the run (``python -m sage.train.plan``: batch and per-device memory) and its expected
 wall time (an estimate from the throughputs stated below, not a measurement), then runs ``sage-train`` under
 ``torchrun`` with ``rollout=vllm`` for 2 optimiser steps and a tiny evaluation, and then reads the run's own
 lines back into a summary:
@@ -133,7 +133,7 @@ def evaluation_size(
 
 def shrunk_evaluation(cfg, given: set[str], processes: int) -> list[str]:
     """SHORT, its evaluation sized for ``processes`` (``evaluation_size``) from the eval datasets' sizes."""
-    from sage.train.memory import count_problems
+    from sage.train.completions import count_problems
 
     problems = count_problems(cfg.eval, {})
     smallest = min(problems.counts.values()) if problems.error is None and problems.counts else None
@@ -211,7 +211,8 @@ def minutes(seconds: float) -> str:
 
 def expected_wall_time(cfg, processes: int) -> list[str]:
     """Two lines: the expected wall time, phase by phase, and what it assumes (the plan's numbers)."""
-    from sage.train.memory import DTYPE_BYTES, architecture, batch_of, count_problems
+    from sage.train.completions import count_problems
+    from sage.train.memory import DTYPE_BYTES, architecture, batch_of
     from sage.train.sft import effective_batch, split_batch
 
     try:
@@ -310,7 +311,7 @@ def plan(overrides: list[str], processes: int) -> tuple[str, float | None]:
     """The memory plan's text and its per-device total in GiB for the training process (None if the plan
     estimated none)."""
     r = subprocess.run(
-        [sys.executable, "-m", "sage.train.memory", *overrides, f"processes={processes}"],
+        [sys.executable, "-m", "sage.train.plan", *overrides, f"processes={processes}"],
         capture_output=True,
         text=True,
     )

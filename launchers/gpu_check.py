@@ -55,7 +55,7 @@ TOLERANCE = 0.15
 # guards against a hang; a lent machine runs one command for at most 10 minutes, so a stage that needs
 # longer than its guard is run alone (--stage)
 STAGE_TIMEOUT_S = {"a": 240, "b": 300}
-# the longest prompt stage b's pass takes: the memory plan's default (python -m sage.train.memory's
+# the longest prompt stage b's pass takes: the memory plan's default (python -m sage.train.plan's
 # prompt_tokens), an assumption about the paper's data, since TRL does not truncate prompts
 PROMPT_TOKENS = 1024
 # the callbacks entry that prints a line per optimiser step (step_report below)

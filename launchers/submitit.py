@@ -115,13 +115,13 @@ def with_resume_auto(overrides: list[str]) -> list[str]:
 
 def submission_warnings(config, jobs: int, mounts: str | None = None) -> list[str]:
     """What makes a SLURM grid fail or corrupt its records, said before it is submitted
-    (``sage.train.memory.cluster_warnings``, the plan's own warnings): the SQLite MLflow store written by
+    (``sage.train.cluster_warnings``, the plan's own warnings): the SQLite MLflow store written by
     several jobs or nodes, and the cache (``$SAGE_CACHE_DIR``, ``sage.paths.cache_dir``), the SQLite file or
     the sweep dir on a node-local filesystem. Shared is decided by the filesystem type of the folder's mount
     in this machine's /proc/mounts (nfs, lustre, gpfs, ...), not by its path: /tmp is local on most clusters
     and $HOME shared on most, but neither is a rule, and the submitting node sees the same mounts as the
     jobs' nodes on any cluster where a grid can work at all."""
-    from sage.train.memory import cluster_warnings
+    from sage.train.cluster_warnings import cluster_warnings
 
     if mounts is None:
         mounts = PROC_MOUNTS.read_text() if PROC_MOUNTS.is_file() else ""
@@ -235,7 +235,7 @@ class _SageSubmitit:
 
     def _plan_stages(self, job_overrides) -> list[SFTStage]:
         """The SFT stages the grid's jobs need and the cache lacks, each job composed as it will run."""
-        from sage.train.memory import processes_per_job
+        from sage.train.plan import processes_per_job
 
         def compose(overrides: list[str]):
             return self.hydra_context.config_loader.load_sweep_config(self.config, overrides)  # type: ignore

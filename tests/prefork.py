@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODULES = ("sage.train", "sage.eval", "analysis.report", "sage.train.memory", "sage.eval.testbed_measure")
+MODULES = ("sage.train", "sage.eval", "analysis.report", "sage.train.plan", "sage.eval.testbed_measure")
 BIN = Path(sys.executable).parent
 SCRIPTS = ("sage-train", "sage-eval", "sage-report")  # the console scripts, run as scripts
 # Read by a library while it is imported: a request must carry the server's values, or run fresh.

@@ -1,4 +1,4 @@
-"""The plan of a run or grid before submission (sage.train.memory): parameter counts against transformers and
+"""The plan of a run or grid before submission (sage.train.plan): parameter counts against transformers and
 peft, each memory term against its hand-computed bytes, the reference at the dtype TRL really builds it in
 and DDP's gradient buckets (issue 20, item 9: qwen2.5-3b-instruct full fine-tuning is 83.5 GiB on one GPU
 and 94.9 GiB under 8-process torchrun at the default vLLM share, so it is not reported as fitting), every
@@ -15,13 +15,12 @@ import prefork
 import pytest
 import torch
 
+from sage.train.cluster_warnings import mount_of, shared_folder_warnings
 from sage.train.memory import (
     GIB,
     Architecture,
     Batch,
     estimate,
-    mount_of,
-    shared_folder_warnings,
 )
 
 SMALL = Architecture(
@@ -215,8 +214,8 @@ def test_the_training_dtype_is_sage_trains_model_init_kwargs():
 
 
 def plan(capsys, *overrides) -> tuple[int, str, str]:
-    """``python -m sage.train.memory <overrides>``, in this process: (exit code, stdout, stderr)."""
-    from sage.train.memory import main
+    """``python -m sage.train.plan <overrides>``, in this process: (exit code, stdout, stderr)."""
+    from sage.train.plan import main
 
     code = main(list(overrides))
     out, err = capsys.readouterr()
@@ -292,7 +291,7 @@ def test_the_rl_step_on_n_processes_is_the_presets_or_said_in_one_line():
     """An RL optimiser step is per_device x accumulation x processes: trl=paper on 8 processes without
     trl.gradient_accumulation_steps=8 takes 512 completions, not the preset's 64 (issue 39). The line names
     the key and the value that keep 64; the step the preset states, and one process, say nothing."""
-    from sage.train.memory import global_batch_warning, preset_batch
+    from sage.train.plan import global_batch_warning, preset_batch
 
     assert preset_batch("paper") == (1, 64) and preset_batch("testbed") == (
         64,
@@ -662,7 +661,7 @@ def test_the_plan_refuses_lora_on_lm_head_as_a_module_in_one_line():
         [
             sys.executable,
             "-m",
-            "sage.train.memory",
+            "sage.train.plan",
             "model=tiny_chat",
             "model.lora.target_modules=[q_proj,lm_head]",
             "rollout=vllm",
@@ -805,7 +804,7 @@ def test_the_mount_and_its_filesystem_type_decide_what_is_shared():
 
 
 def test_a_slurm_grid_warns_about_sqlite_and_node_local_folders(monkeypatch, tmp_path):
-    from sage.train.memory import cluster_warnings
+    from sage.train.cluster_warnings import cluster_warnings
 
     monkeypatch.setenv("SAGE_CACHE_DIR", "/tmp/sage-cache")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////home/ada/mlflow.db")
@@ -830,7 +829,7 @@ def test_a_slurm_grid_warns_about_sqlite_and_node_local_folders(monkeypatch, tmp
 
 def test_the_command_line_runs_as_a_module():
     r = prefork.run(
-        [sys.executable, "-m", "sage.train.memory", "model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"],
+        [sys.executable, "-m", "sage.train.plan", "model=qwen2.5-math-7b", "trl=paper", "rollout=vllm"],
         capture_output=True,
         text=True,
         timeout=300,

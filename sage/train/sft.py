@@ -99,7 +99,7 @@ def cached_stage(cfg: DictConfig) -> Path | None:
 # A model with an SFT stage trains it once per cache key and every job that starts from it waits on the
 # cache's lock while one of them builds it: on a cluster, every job's GPUs idle for the whole stage, and the
 # stage on one process of a multi-GPU job. So a grid's launcher (launchers/submitit.py) and its plan
-# (``python -m sage.train.memory -m ...``) find, before anything is submitted, the stages the grid's jobs need
+# (``python -m sage.train.plan -m ...``) find, before anything is submitted, the stages the grid's jobs need
 # and the cache lacks, and run each as one job of its own sized to its batch (``stage_processes``), with the
 # jobs that start from it held until it has succeeded. Its command is its first dependent job's with
 # ``BUILD_ONLY``, run in ``<sweep dir>/.sft/<stage key>``.

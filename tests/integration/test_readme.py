@@ -133,7 +133,7 @@ def rule(command: str) -> str:
         return "elsewhere"
     if tool in ("sage-train", "sage-eval", "torchrun") and any(k in command for k in COMPOSE_ONLY):
         return "compose"
-    if tool == "python" and rest[:2] == ["-m", "sage.train.memory"]:
+    if tool == "python" and rest[:2] == ["-m", "sage.train.plan"]:
         return "run"  # a plan, for a SLURM grid too: nothing is submitted
     if "hydra/launcher=slurm" in command or "postgresql" in command:
         return "services"
