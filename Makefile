@@ -184,6 +184,22 @@ reproduce-dose-response-report:  ## docs/results/dose_response_results.md from t
 	    $(POSITIVE_CONTROL) --data $(call DOSE_DATA,$(arm)) --paired --seeds 0 && echo '```' &&) true \
 	) > $(RESULTS)/dose_response_results.md
 
+# The sequence-anchor study (issue 58, docs/results/sequence_anchor.md, its design committed before any of its
+# runs). Stage B, offline: Branch's q(y) on the fork base model's tail samples and the target tilt it gives the
+# rare share (scripts/sequence_tilt.py), committed as a data file from which the results page is rebuilt.
+SEQUENCE_TILT_DATA = $(RESULTS)/data/sequence_anchor_tilt.json.gz
+
+.PHONY: reproduce-sequence-anchor-tilt reproduce-sequence-anchor-report
+reproduce-sequence-anchor-tilt: install  ## the study's Stage B (offline): the fork base model's samples and Branch's q(y), its data file
+	mkdir -p $(RESULTS)/data
+	$(PY) scripts/sequence_tilt.py --save-data $(SEQUENCE_TILT_DATA) > /dev/null
+	$(MAKE) reproduce-sequence-anchor-report
+
+reproduce-sequence-anchor-report:  ## docs/results/sequence_anchor_results.md from the committed data files alone
+	( echo "## Stage B (\`make reproduce-sequence-anchor-report\`, from the committed data file)"; echo; \
+	  $(PY) scripts/sequence_tilt.py --data $(SEQUENCE_TILT_DATA) \
+	) > $(RESULTS)/sequence_anchor_results.md
+
 # The guide's premise on real models (docs/results/real_entropy.md): each model's guide diagnostics, their
 # diagnostics.json committed as a data file, from which the page's tables are rebuilt without the runs.
 REAL_ENTROPY_MODELS = qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
