@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from sage.run_folder import NO_RESULT_KEYS, matches
-from sage.tracking import GROUP_TAGS, derived_method, eval_tag, redact, resolve_uri
+from sage.run_names import derived_method
+from sage.tracking import GROUP_TAGS, eval_tag, redact, resolve_uri
 
 
 class ReportError(Exception):

@@ -266,7 +266,7 @@ class TrackingConfig:
     experiment: str = "sage"
     run_name: str | None = field(
         default=None,
-        metadata={"help": "None: <method>[-<key><value>...][-t<trial>]-s<seed> (sage.tracking.run_name)"},
+        metadata={"help": "None: <method>[-<key><value>...][-t<trial>]-s<seed> (sage.run_names.run_name)"},
     )
     name_keys: list[str] = field(
         default_factory=list,
@@ -714,7 +714,7 @@ def interrupted_state(rerun: str | typing.Callable[[], str]) -> str:
     what a rerun continues, or, before any run started (building the base model, say), that nothing was
     recorded. ``rerun``: how to continue, or a function that says what the command's folder holds and
     what a rerun does (asked only once the run is closed)."""
-    from sage.tracking import killed_runs
+    from sage.killed import killed_runs
 
     if not killed_runs():
         return "no MLflow run had started and nothing was recorded; rerun the same command to start"
@@ -840,7 +840,7 @@ def exit_on_config_error(
     )
     if ours:
         signal.signal(signal.SIGTERM, _raise_terminated)
-    from sage.tracking import forget_killed_runs
+    from sage.killed import forget_killed_runs
 
     forget_killed_runs()  # an interruption names only this command's runs
     try:

@@ -1,7 +1,7 @@
 """The MLflow side of a grid (``sage-train -m``) or an Optuna study: run names and one parent run.
 
 - ``name_keys``: the overrides whose values differ between the jobs of a grid; sage's launchers hand them
-  to every job as ``tracking.name_keys``, and ``sage.tracking.run_name`` puts their values in the run name.
+  to every job as ``tracking.name_keys``, and ``sage.run_names.run_name`` puts their values in the run name.
 - ``open_parent``: the driver process (launcher or sweeper) opens the grid's parent run before it submits
   anything, and every job gets ``tracking.parent_run_id``, so its run is the parent's child
   (``mlflow.parentRunId``). A grid's parent is found by its sweep dir (tag ``sage.sweep_dir``), a study's

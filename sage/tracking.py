@@ -25,13 +25,16 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from sage.errors import NO_SPACE_TEXT, ConfigError
+from sage.eval.artifacts import completions_table, passk_figure, passk_table
+from sage.killed import record_killed
+from sage.run_names import hydra_context, method_of, run_name
 
 log = logging.getLogger(__name__)
 
 
 class _FullDiskNoise(logging.Filter):
     """MLflow's SQL store logs a failed commit with its whole traceback before it raises. On a full disk
-    the raised error ends the run with one line naming where (sage.config.full_disk), so the log is only
+    the raised error ends the run with one line naming where (sage.cli.full_disk), so the log is only
     noise above it: dropped. Every other store error is logged as MLflow logs it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -112,109 +115,6 @@ def git_commit() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unavailable"
     return r.stdout.strip() if r.returncode == 0 else "not-a-git-checkout"
-
-
-def hydra_context() -> tuple[dict[str, str], dict[str, str]]:
-    """(group choices, sweep tags) of the current Hydra job; empty outside a Hydra app."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return {}, {}
-    hc = HydraConfig.get()
-    choices = {
-        k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None
-    }
-    sweep: dict[str, str] = {}
-    if str(hc.mode) == "RunMode.MULTIRUN":
-        sweep = {"grid": str(Path(hc.sweep.dir).resolve()), "job_num": str(hc.job.num)}
-    return choices, sweep
-
-
-def job_overrides() -> dict[str, str]:
-    """The current Hydra job's command-line overrides, key -> value as typed; empty outside a Hydra app."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not HydraConfig.initialized():
-        return {}
-    parsed = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
-    return {o.key_or_group: o.get_value_element_as_str() for o in parsed}
-
-
-def run_name(cfg: DictConfig) -> str:
-    """``tracking.run_name``, else what ran: ``<method>-s<seed>``, with the value of each of
-    ``tracking.name_keys`` (the overrides that differ between the jobs of a grid or the trials of a study,
-    named by sage's launchers and sweeper) and a study's trial number in between, e.g.
-    ``grpo_branch-threshold0.3-ratio0.5-s2``. Never left to MLflow: its random name is drawn from the
-    global RNG, which sage-train has already seeded, so every run of one seed got the same name."""
-    if cfg.tracking.run_name:
-        return str(cfg.tracking.run_name)
-    choices, _ = hydra_context()
-    method = method_of(cfg, choices) or choices.get("experiment") or "run"
-    parts = [str(method)]
-    given = job_overrides()
-    keys = [k for k in cfg.tracking.name_keys if k != "seed"]
-    short = [k.rsplit(".", 1)[-1] for k in keys]
-    for key, name in zip(keys, short, strict=True):
-        value = given.get(key, OmegaConf.select(cfg, key, default=None))
-        if value is None or (key == "experiment" and value == method):  # the method already says it
-            continue
-        label = name if short.count(name) == 1 else key  # guide.beta and divergence.beta stay apart
-        parts.append(f"{label}{value}")
-    if "trial" in cfg.tracking.tags:
-        parts.append(f"t{cfg.tracking.tags.trial}")
-    if cfg.get("seed") is not None:
-        parts.append(f"s{cfg.seed}")
-    return "-".join(parts)
-
-
-METHOD_GROUPS = ("algorithm", "divergence", "guide")  # what a method is: the groups a preset chooses
-
-
-def method_of(cfg: DictConfig, choices: dict[str, str]) -> str | None:
-    """The run's method: ``method`` (set by the experiment/ presets); else the preset that chooses exactly
-    these algorithm, divergence and guide and nothing else (``guide=branch`` alone is ``grpo_branch``);
-    else :func:`derived_method` of the choices; ``base`` for a run of no step. None outside a Hydra app
-    that chose them."""
-    if cfg.get("method"):
-        return str(cfg.method)
-    chosen = tuple(choices.get(g) for g in METHOD_GROUPS)
-    if None in chosen:
-        return None
-    if OmegaConf.select(cfg, "trl.max_steps") == 0:  # nothing trained: the start model (as sage-report says)
-        return "base"
-    from sage.paths import CONF_DIR
-
-    for path in sorted((Path(CONF_DIR) / "experiment").glob("*.yaml")):
-        preset = OmegaConf.load(path)
-        if set(preset) != {"defaults", "method"}:  # it sets more than the groups (a beta, a step count)
-            continue
-        groups = {}
-        for entry in preset.defaults:
-            for key, value in entry.items() if isinstance(entry, DictConfig) else ():
-                groups[str(key).removeprefix("override /")] = str(value)
-        if tuple(groups.get(g) for g in METHOD_GROUPS) == chosen:
-            return str(preset.method)
-    return derived_method(*chosen)
-
-
-def what_trains(cfg: DictConfig) -> str:
-    """The line a run prints as it starts: its method, the choices that make it (experiment, algorithm,
-    divergence with its beta, guide), the model, the steps and the seed."""
-    choices, _ = hydra_context()
-    made = [f"{g}={choices[g]}" for g in ("experiment", *METHOD_GROUPS) if choices.get(g)]
-    beta = OmegaConf.select(cfg, "divergence.beta", default=None)
-    if beta is not None:
-        made.append(f"beta={beta}")
-    model = choices.get("model") or OmegaConf.select(cfg, "model.name", default="?")
-    method = method_of(cfg, choices) or "run"
-    steps = OmegaConf.select(cfg, "trl.max_steps", default="?")
-    return f"training {method} ({', '.join(made)}) on model={model}: {steps} steps, seed {cfg.get('seed')}"
-
-
-def derived_method(algorithm: str, divergence: str, guide: str) -> str:
-    """A method no preset names, from its choices: ``dr_grpo+forward_kl+token`` (guide=none left out)."""
-    return "+".join([algorithm, divergence] + ([guide] if guide != "none" else []))
 
 
 def eval_tag(label: str, dataset: str) -> str:
@@ -400,81 +300,6 @@ class Tracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, redact(value))
-
-
-def passk_table(curves: dict[str, list[dict[int, float]]]):
-    """label -> per-seed pass@k curves -> one row per (label, k): mean, std (None with one seed), min and
-    max over the seeds, and the number of seeds."""
-    import pandas as pd
-
-    rows = []
-    for label, per_seed in curves.items():
-        for k in per_seed[0]:
-            values = np.array([c[k] for c in per_seed])
-            std = float(values.std(ddof=1)) if len(values) > 1 else None
-            rows.append((label, k, float(values.mean()), std, values.min(), values.max(), len(values)))
-    return pd.DataFrame(rows, columns=["label", "k", "mean", "std", "min", "max", "seeds"])
-
-
-def passk_figure(table, dataset: str, path: Path) -> Path:
-    """:func:`passk_plot` as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig = passk_plot(table, dataset)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def passk_plot(table, dataset: str):
-    """pass@k against k on a log axis, a line per label (base, trained) with the seeds' range as a band
-    (none with one evaluation seed); the title in two short lines, which fit the figure's width."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: a job on a cluster node
-    import matplotlib.pyplot as plt
-
-    seeds = int(table["seeds"].max())
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for label, part in table.groupby("label", sort=False):
-        ax.plot(part["k"], part["mean"], marker=".", label=label)
-        if seeds > 1:
-            ax.fill_between(part["k"], part["min"], part["max"], alpha=0.25)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("k (samples per problem)")
-    ax.set_ylabel("pass@k")
-    band = f"band: range over {seeds} evaluation seeds" if seeds > 1 else "one evaluation seed: no band"
-    ax.set_title(f"pass@k on {dataset}\n{band}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-def completions_table(completions: list, correct, rows: list[dict] | None, n_problems: int | None):
-    """One line per sample of the first ``n_problems`` problems (None: all): problem index, sample,
-    prompt and gold (from ``rows``; empty without them), completion, extracted answer, correct."""
-    import pandas as pd
-
-    from sage.grading import _completion_text, _safe_extract
-
-    lines = []
-    for i, samples in enumerate(completions[:n_problems]):
-        row = rows[i] if rows is not None else {}
-        for j, completion in enumerate(samples):
-            text = _completion_text(completion)
-            lines.append(
-                {
-                    "problem": i,
-                    "sample": j,
-                    "prompt": str(row.get("problem", "")),
-                    "gold": str(row.get("answer", "")),
-                    "completion": text,
-                    "extracted_answer": _safe_extract(text) or "",
-                    "correct": bool(correct[i][j]),
-                }
-            )
-    return pd.DataFrame(lines)
 
 
 def _now_ms() -> int:
@@ -759,23 +584,9 @@ def start_run(
         killed = isinstance(e, KeyboardInterrupt)
         client.set_terminated(run_id, status="KILLED" if killed else "FAILED")
         if killed:
-            _KILLED_RUNS.append(run_id)
+            record_killed(run_id)
         raise
     client.set_terminated(run_id, status="FINISHED")
-
-
-# The MLflow runs this process closed KILLED: an interruption's one line mentions a run only if there is one
-# (sage.config.interrupted_state).
-_KILLED_RUNS: list[str] = []
-
-
-def killed_runs() -> list[str]:
-    return list(_KILLED_RUNS)
-
-
-def forget_killed_runs() -> None:
-    """A new command's body starts (sage.config.exit_on_config_error): no run of its own is killed yet."""
-    _KILLED_RUNS.clear()
 
 
 def step_callback(tracker: Tracker):

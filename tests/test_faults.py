@@ -214,7 +214,7 @@ def test_the_interruption_hint_names_the_folder_and_offers_resume_only_from_a_ch
 ):
     """Issue 47: the Ctrl-C hint said "rerun with resume=true" where no checkpoint existed (a rerun with it
     is then refused) and did not name the folder. Now it says what the folder keeps and what a rerun does."""
-    import sage.tracking
+    import sage.killed
     from sage.train.main import FINAL_FILE, interruption_hint
 
     out = tmp_path / "run"
@@ -237,10 +237,10 @@ def test_the_interruption_hint_names_the_folder_and_offers_resume_only_from_a_ch
     )
 
     def interrupted(cfg):
-        sage.tracking._KILLED_RUNS.append("a-run")  # what closing the MLflow run on Ctrl-C records
+        sage.killed._KILLED_RUNS.append("a-run")  # what closing the MLflow run on Ctrl-C records
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sage.tracking, "_KILLED_RUNS", [])
+    monkeypatch.setattr(sage.killed, "_KILLED_RUNS", [])
     with pytest.raises(SystemExit) as e:
         exit_on_config_error(interrupted, cfg, rerun=hint)
     assert e.value.code == 130

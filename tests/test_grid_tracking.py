@@ -12,7 +12,8 @@ from mlflow.tracking import MlflowClient
 
 from sage.config import register_configs
 from sage.grid import close_parent, grid_key, name_keys, open_parent, study_key, with_grid
-from sage.tracking import PARENT_TAG, run_name, start_run
+from sage.run_names import run_name
+from sage.tracking import PARENT_TAG, start_run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()

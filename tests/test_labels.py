@@ -17,8 +17,10 @@ from omegaconf import open_dict
 
 from analysis import figures, load
 from sage.config import register_configs
+from sage.eval.artifacts import passk_plot, passk_table
 from sage.eval.evaluate import format_table
-from sage.tracking import passk_plot, passk_table, start_run, what_trains
+from sage.run_names import what_trains
+from sage.tracking import start_run
 
 matplotlib.use("Agg")
 REPO = Path(__file__).resolve().parents[1]

@@ -947,7 +947,8 @@ def metrics_of(report: dict[str, Any]) -> dict[str, float]:
 def run(cfg: DictConfig) -> Path:
     """The command: check, diagnose, write the three files, log them; returns the output folder."""
     from sage.paths import check_output_dir
-    from sage.tracking import check_store, hydra_context, start_run
+    from sage.run_names import hydra_context
+    from sage.tracking import check_store, start_run
 
     check(cfg)
     check_store(cfg)

@@ -182,7 +182,7 @@ def hydra_choices() -> dict[str, str]:
 def evaluated(cfg: DictConfig, model_path: str) -> tuple[str, dict[str, str]]:
     """(run name, tags) saying what a sage-eval run evaluated: a sage-train checkpoint by its run's method
     and seed (``grpo_branch-s1/final``, tags method and seed, as sage-train names and tags its run: the
-    run folder's config.yaml and Hydra's choices in its .hydra/ give them to ``tracking.method_of``); the
+    run folder's config.yaml and Hydra's choices in its .hydra/ give them to ``run_names.method_of``); the
     model group's base model as ``base/<model>`` (method ``base``, as sage-report names the start model);
     any other folder by its name. Never ``run``: every evaluation in the store says what it measured."""
     if cfg.checkpoint is None:
@@ -202,7 +202,7 @@ def trained_by(checkpoint: Path) -> tuple[str, int] | None:
     from omegaconf import OmegaConf
 
     from sage.eval.checkpoint import training_run
-    from sage.tracking import method_of
+    from sage.run_names import method_of
 
     run = training_run(checkpoint)
     if run is None:

@@ -402,7 +402,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
     from transformers.trainer_utils import get_last_checkpoint
 
     from sage.config import Resume, resume_mode
-    from sage.tracking import what_trains
+    from sage.run_names import what_trains
 
     resume = resume_mode(cfg.resume)
     if distributed.is_main():
