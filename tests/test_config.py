@@ -387,7 +387,7 @@ def test_branch_threshold_default_follows_the_model():
 def test_paper_batch_shape_separates_micro_batch_from_the_step():
     from trl import GRPOConfig
 
-    from sage.train.trainer import describe_batch
+    from sage.train.console import describe_batch
 
     cfg = cfg_for("trl=paper", "model=qwen2.5-math-7b")
     values = {k: v for k, v in OmegaConf.to_container(changed_only(cfg.trl)).items() if k != "_target_"}

@@ -25,7 +25,8 @@ from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
 from sage.train import importance
 from sage.train.callbacks import FirstRatioCheck
-from sage.train.trainer import SageGRPOTrainer, vllm_importance_ratio
+from sage.train.deferred_ratio import vllm_importance_ratio
+from sage.train.trainer import SageGRPOTrainer
 
 LENGTH = 10
 

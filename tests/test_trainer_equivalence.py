@@ -442,6 +442,7 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
         "grpo",
         divergence=ReverseKL(beta),
         guide=NoGuide(),
+        fork_markers=FORK_MARKERS.values(),
     )
     fork = make(
         SageGRPOTrainer,
@@ -451,6 +452,7 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
         "grpo",
         divergence=ReverseKL(beta),
         guide=ForkGuide(),
+        fork_markers=FORK_MARKERS.values(),
     )
     inputs = fake_inputs(plain, seed=2)
     markers = plain.processing_class.convert_tokens_to_ids(list(FORK_MARKERS.values()))
@@ -473,7 +475,14 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
     assert plain._metrics["train"]["guide/q_fork"][-1] == 1.0  # the plain anchor at the same tokens
     # a model of another world: no markers in its vocabulary, nothing logged at forks, the fork guide refuses
     other = make(
-        SageGRPOTrainer, model_path, tmp_path / "c", beta, "grpo", divergence=ReverseKL(beta), guide=NoGuide()
+        SageGRPOTrainer,
+        model_path,
+        tmp_path / "c",
+        beta,
+        "grpo",
+        divergence=ReverseKL(beta),
+        guide=NoGuide(),
+        fork_markers=FORK_MARKERS.values(),
     )
     loss_and_grad(other, fake_inputs(other, seed=2))
     assert "guide/q_fork" not in other._metrics["train"]
@@ -485,6 +494,7 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
         "grpo",
         divergence=ReverseKL(beta),
         guide=ForkGuide(),
+        fork_markers=FORK_MARKERS.values(),
     )
     with pytest.raises(ValueError, match="model=tiny_fork"):
         loss_and_grad(refusing, fake_inputs(refusing, seed=2))

@@ -1,10 +1,29 @@
-"""What sage-train prints per optimiser step: one short line, instead of transformers' dict of every logged
-metric (30-odd entries, about 900 characters a step). Every metric still reaches MLflow: the per-step
-record is ``sage.tracking.step_callback``, which reads the same logs."""
+"""What sage-train prints: once, how TRL's knobs shape a step (:func:`describe_batch`); then per optimiser
+step one short line, instead of transformers' dict of every logged metric (30-odd entries, about 900
+characters a step). Every metric still reaches MLflow: the per-step record is
+``sage.tracking.step_callback``, which reads the same logs."""
 
 from __future__ import annotations
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+
+def describe_batch(args, num_processes: int, longest_prompt_tokens: int) -> str:
+    """One line on how TRL's knobs shape a step: completions per forward pass (the memory-bound
+    micro-batch), accumulation, completions and prompts per optimiser step, and the longest micro-batch
+    in tokens. ``args`` is a GRPOConfig after its own __post_init__ (steps_per_generation resolved)."""
+    from sage.train.memory import Batch
+
+    batch = Batch(
+        micro=args.per_device_train_batch_size,
+        accumulation=args.gradient_accumulation_steps,
+        processes=num_processes,
+        num_generations=args.num_generations,
+        prompt_tokens=longest_prompt_tokens,
+        completion_tokens=args.max_completion_length,
+    )
+    return f"{batch.describe()}; {args.generation_batch_size} completions generated at a time"
+
 
 # (log key, printed name): what a user watches a run by; the rest is in MLflow.
 SHOWN = (

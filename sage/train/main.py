@@ -148,12 +148,13 @@ def rl(
     if final_step(final) >= cfg.trl.max_steps:
         log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
         return final
+    from sage.data.arith import FORK_MARKERS
     from sage.grading import PoolReward
-    from sage.train.console import short_step_lines
+    from sage.train.console import describe_batch, short_step_lines
     from sage.train.trl_import import import_grpo_trainer
 
     import_grpo_trainer(use_vllm=args.use_vllm)  # before sage.train.trainer: vLLM's import only if used
-    from sage.train.trainer import SageGRPOTrainer, describe_batch
+    from sage.train.trainer import SageGRPOTrainer
 
     # what an in-process vLLM engine (TRL's colocated one) changes for the whole process, to restore after it
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -167,6 +168,7 @@ def rl(
         guide=guide,
         filter_zero_variance_groups=cfg.filter_zero_variance_groups,
         anchor_buckets=cfg.tracking.anchor_buckets,
+        fork_markers=FORK_MARKERS.values(),  # the testbed fork world's: only its models have them
         callbacks=callbacks,
         rollout_func=rollout_func,
     )
