@@ -215,7 +215,8 @@ def test_the_interruption_hint_names_the_folder_and_offers_resume_only_from_a_ch
     """Issue 47: the Ctrl-C hint said "rerun with resume=true" where no checkpoint existed (a rerun with it
     is then refused) and did not name the folder. Now it says what the folder keeps and what a rerun does."""
     import sage.killed
-    from sage.train.main import FINAL_FILE, interruption_hint
+    from sage.train.main import interruption_hint
+    from sage.train.resume import FINAL_FILE
 
     out = tmp_path / "run"
     cfg = OmegaConf.create({"output_dir": str(out), "trl": {"save_steps": 50, "max_steps": 10}})

@@ -28,7 +28,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from sage.config import ConfigError
 from sage.eval.checkpoint import check_checkpoint_folder
 from sage.tracking import RUN_ID_FILE, open_store, start_run
-from sage.train.main import set_aside_incomplete_checkpoints
+from sage.train.resume import set_aside_incomplete_checkpoints
 
 
 def test_a_checkpoint_cut_short_by_a_kill_is_set_aside(tmp_path):

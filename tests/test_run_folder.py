@@ -38,7 +38,7 @@ from sage.run_folder import (
     writer_lock,
 )
 from sage.tracking import RUN_ID_FILE, start_run
-from sage.train.main import set_aside_incomplete_checkpoints
+from sage.train.resume import set_aside_incomplete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 SINCE = r" since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+"  # when the holder took the lock

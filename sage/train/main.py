@@ -22,7 +22,9 @@ import shutil
 import types
 import weakref
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -42,16 +44,19 @@ from sage.metrics import metric_name
 from sage.models import lora_config
 from sage.paths import CONF_DIR, base_results_dir, cache_dir, write_atomically
 from sage.reaper import reap_on_exit
-from sage.run_folder import (
-    check_identity,
-    keep_earlier_final,
-    on_main,
-    publish,
-    record_identity,
-    writer_lock,
-)
+from sage.run_folder import keep_earlier_final, on_main, publish, record_identity, writer_lock
 from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
-from sage.train.resume import check_resume_processes, checkpoint_problem
+from sage.train.resume import (
+    FINAL_FILE,
+    ResumePlan,
+    check_resume_processes,
+    checkpoint_step,
+    final_record,
+    final_step,
+    last_whole_checkpoint,
+    plan_resume,
+    set_aside_incomplete_checkpoints,
+)
 
 log = logging.getLogger("sage.train.main")
 
@@ -112,21 +117,6 @@ def longest_prompt(trainer, dataset) -> int:
     return max((len(ids) for ids in tok(list(prompts))["input_ids"]), default=0)
 
 
-FINAL_FILE = "sage_final.json"
-
-
-def final_record(final: Path) -> dict:
-    """What a complete ``final/`` records of itself (``global_step``; ``untrained``: true when its weights
-    are the start model's); empty if there is none."""
-    marker = final / FINAL_FILE
-    return json.loads(marker.read_text()) if marker.is_file() else {}
-
-
-def final_step(final: Path) -> int:
-    """The optimiser step a complete ``final/`` was saved at; -1 if there is none."""
-    return final_record(final).get("global_step", -1)
-
-
 def rl(
     cfg: DictConfig,
     callbacks: list,
@@ -140,14 +130,11 @@ def rl(
     out: Path,
     pool,
 ) -> Path:
-    """The RL stage; returns the folder of the final model (or LoRA adapter). ``final/`` appears by an
-    atomic rename once complete and records the step it was saved at: a requeued job that finds it at
-    ``trl.max_steps`` skips RL and goes on to the evaluation; a longer ``trl.max_steps`` trains on, and the
-    earlier ``final/`` is kept as ``final-step-N/``."""
+    """The RL stage, from checkpoint ``last`` if given; returns the folder of the final model (or LoRA
+    adapter). ``final/`` appears by an atomic rename once complete and records the step it was saved at (a
+    requeued job that finds it at ``trl.max_steps`` does not come here: ``ResumePlan.final_done``); a
+    longer ``trl.max_steps`` trains on, and the earlier ``final/`` is kept as ``final-step-N/``."""
     final = out / "final"
-    if final_step(final) >= cfg.trl.max_steps:
-        log.info("%s is complete at step %d: RL is not run again", final, final_step(final))
-        return final
     from sage.data.arith import FORK_MARKERS
     from sage.grading import PoolReward
     from sage.train.console import describe_batch, short_step_lines
@@ -344,34 +331,6 @@ def config_callback(name: str, node: DictConfig):
     return callback
 
 
-def set_aside_incomplete_checkpoints(rl_dir: Path) -> None:
-    """A checkpoint-N/ that cannot be resumed from is renamed checkpoint-N.incomplete, with a logged line:
-    kept for inspection, never resumed from, and out of the way of a rerun. That is one whose save a kill
-    cut short (no readable trainer_state.json, which the Trainer writes after the weights, optimiser and
-    RNG states, or an empty file), or whose files a copy or a disk cut short (a weight file whose size is
-    not what its safetensors header describes, a torch file without its zip archive's closing record).
-    SageGRPOTrainer saves a checkpoint under a temporary name and renames it once whole: a save a kill
-    interrupted there (``.tmp-checkpoint-N/``) is set aside the same way."""
-    if not rl_dir.is_dir():
-        return
-    for staging in sorted(rl_dir.glob(".tmp-checkpoint-*")):
-        for folder in staging.glob("checkpoint-*"):
-            _set_aside(folder, rl_dir / f"{folder.name}.incomplete", "its save was interrupted")
-        shutil.rmtree(staging, ignore_errors=True)  # empty now
-    for folder in sorted(rl_dir.glob("checkpoint-*")):
-        if not folder.is_dir() or not folder.name.removeprefix("checkpoint-").isdigit():
-            continue
-        problem = checkpoint_problem(folder)
-        if problem is not None:
-            _set_aside(folder, folder.with_name(f"{folder.name}.incomplete"), problem)
-
-
-def _set_aside(folder: Path, aside: Path, why: str) -> None:
-    shutil.rmtree(aside, ignore_errors=True)  # an older attempt's leftover of the same step
-    folder.rename(aside)
-    log.warning("%s cannot be resumed from (%s): set aside as %s", folder, why, aside)
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     from sage.train.memory import check_rollout
     from sage.trl_checks import check_trl
@@ -400,163 +359,191 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
-    """The run in its folder ``out``, whose writer lock the caller holds."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from sage.config import Resume, resume_mode
+    """The run in its folder ``out``, whose writer lock the caller holds: plan, build, train, evaluate,
+    record."""
+    from sage.grading import GradingPool
     from sage.run_names import what_trains
 
-    resume = resume_mode(cfg.resume)
     if distributed.is_main():
         print(what_trains(cfg), flush=True)  # what this run is, before the minutes it takes
-    # A folder holding anything of a run takes only that run's config, whatever `resume` says: a finished
-    # run without checkpoints would otherwise skip RL and report its old model under the new config.
-    on_main(lambda: check_identity(cfg, out))
-    rl_dir = out / "rl"
-    if distributed.is_main():
-        set_aside_incomplete_checkpoints(rl_dir)
-    distributed.barrier()
-    last = get_last_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
-    if resume == Resume.true and last is None:
-        raise ConfigError(f"resume=true but {rl_dir} holds no checkpoint-*/ folder to resume from")
-    if resume == Resume.false and last is not None:
-        raise ConfigError(
-            f"{out} already holds checkpoints; pass resume=true (or auto) to continue "
-            "or choose another output_dir"
-        )
-    if last is not None:
-        log.info("resume=%s: continuing from %s", resume, last)
-    # A run is extended, never shortened: its model has already taken the steps a smaller trl.max_steps
-    # would stop before, so neither the model nor train/steps could match that config.
-    reached = max(final_step(out / "final"), int(Path(last).name.rsplit("-", 1)[1]) if last else -1)
-    if cfg.trl.max_steps < reached:
-        raise ConfigError(
-            f"trl.max_steps={cfg.trl.max_steps} is below step {reached}, which the model in {out} has "
-            f"already trained to: a run can be extended, not shortened; give trl.max_steps >= {reached}, or "
-            "another output_dir"
-        )
-    if reached >= 0 or (resume != Resume.false and (out / "metrics.json").is_file()):
-        on_main(lambda: check_run_kept(cfg, out))  # the run this one continues, before any work
+    plan = follow_resume_plan(cfg, out)
+    inputs = build_inputs(cfg, out)
+    # One MLflow run per run, however many processes train: the main process records, the others only train.
+    main = distributed.is_main()
+    run = start_run(cfg, out, kind="train", resume=plan.continue_run) if main else nullcontext(None)
+    # One grading pool for the run (its workers start on first use): training rewards, the periodic and
+    # the final evaluation are all graded by it, under the same time and memory limits.
+    with run as tracker, GradingPool(max_answer_chars=cfg.grading.max_answer_chars) as pool:
+        if tracker is not None:
+            tracker.log_artifact(out / "config.yaml")
+            # the reference for perplexity-under-base analyses
+            tracker.set_tag("base_model", inputs.start_path)
+        metrics, final, pruned_at = train_stage(cfg, plan, inputs, divergence, guide, tracker, pool, out)
+        # The base model's cells are shared by every run that starts from it (same settings, same seed).
+        to_evaluate = [("base", inputs.start_path, base_results_dir(inputs.start_path))]
+        if final is not None:
+            to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
+        at_end = cfg.eval.at_end and pruned_at is None
+        evaluated = evaluate_models(cfg, to_evaluate, inputs.eval_rows, pool) if at_end else []
+        if main:  # the records of the evaluation are the main process's
+            record_results(cfg, out, tracker, evaluated, metrics, inputs)
+    return metrics
 
-    # Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
-    # model is built.
-    args = grpo_args(cfg, rl_dir)
+
+def follow_resume_plan(cfg: DictConfig, out: Path) -> ResumePlan:
+    """The run's resume plan (``plan_resume``), the same on every process, carried out before any work: its
+    refusal is every process's one line; a checkpoint that cannot be resumed from is set aside; the MLflow
+    run it continues must not have been deleted."""
+    plan = plan_resume(cfg, out, distributed.world_size())
+    if plan.refusal is not None:
+        raise ConfigError(plan.refusal)
+    if distributed.is_main():
+        set_aside_incomplete_checkpoints(out / "rl")
+    distributed.barrier()
+    if plan.checkpoint is not None:
+        log.info("resume=%s: continuing from %s", plan.resume, plan.checkpoint)
+    if plan.check_kept:
+        on_main(lambda: check_run_kept(cfg, out))  # the run this one continues, before any work
+    return plan
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the run's stages are built from (``build_inputs``)."""
+
+    args: Any  # TRL's GRPOConfig
+    rollout_func: Any  # TRL's rollout_func; None: TRL's own generation
+    dataset: Any  # the RL prompts
+    eval_rows: dict  # the held-out problems, by dataset; empty where nothing is evaluated
+    start_path: str  # the RL start model and reference: the base model, or the SFT model made from it
+
+
+def build_inputs(cfg: DictConfig, out: Path) -> Inputs:
+    """Everything cheap that can fail (TRL's own checks of its args, data files, eval files) fails before the
+    model is built; then the run's config is recorded in its folder and the start model built (SFT, if the
+    model asks for it)."""
+    from transformers import set_seed
+
+    from sage.eval.evaluate import load_eval_rows
+
+    args = grpo_args(cfg, out / "rl")
     rollout_func = rollout_function(cfg, args)
     dataset = instantiate_node(cfg.data, chat=cfg.model.chat)
-    from sage.eval.analyses import log_analyses
-    from sage.eval.evaluate import evaluate_model, format_table, load_eval_rows
-
     needs_rows = cfg.eval.at_end or cfg.eval.every_steps
     eval_rows = load_eval_rows(cfg.eval.datasets, cfg.eval.limit) if needs_rows else {}
     if distributed.is_main():
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
         record_identity(cfg, out)
-
-    from transformers import set_seed
-
     set_seed(cfg.seed)
-    base_path = instantiate_node(cfg.model.source)
-    start_path = base_path
+    start_path = instantiate_node(cfg.model.source)
     if cfg.model.sft is not None:
         from sage.train.sft import run_sft
 
-        start_path = run_sft(cfg, base_path, cache_dir() / "sft", lora_config(cfg))
+        start_path = run_sft(cfg, start_path, cache_dir() / "sft", lora_config(cfg))
+    return Inputs(args, rollout_func, dataset, eval_rows, start_path)
 
-    from sage.grading import GradingPool
 
-    # One grading pool for the run (its workers start on first use): training rewards, the periodic and
-    # the final evaluation are all graded by it, under the same time and memory limits.
-    # the run of an earlier attempt is continued only with its work: a checkpoint, or a finished final/
-    # (a base row, max_steps=0, has no checkpoint: its finished work is its metrics.json, and a rerun of its
-    # grid continues its MLflow run rather than recording the start model a second time)
-    base_done = cfg.trl.max_steps == 0 and resume != Resume.false and (out / "metrics.json").is_file()
-    continuing = last is not None or final_step(out / "final") >= 0 or base_done
-    # One MLflow run per run, however many processes train: the main process records, the others only train.
-    run = start_run(cfg, out, kind="train", resume=continuing) if distributed.is_main() else nullcontext(None)
-    with run as tracker, GradingPool(max_answer_chars=cfg.grading.max_answer_chars) as pool:
+def train_stage(
+    cfg: DictConfig, plan: ResumePlan, inputs: Inputs, divergence, guide, tracker, pool, out: Path
+) -> tuple[dict[str, float], Path | None, int | None]:
+    """RL as the plan says: the metrics it gives, the final model's folder (None: trl.max_steps=0, which
+    evaluates the (SFT) start model only, the "base" row) and the step a callback pruned the run at."""
+    metrics: dict[str, float] = {}
+    if cfg.trl.max_steps == 0:
+        return metrics, None, None
+    callbacks = training_callbacks(cfg, tracker, inputs.eval_rows, out, pool, inputs.rollout_func)
+    final = out / "final"
+    if plan.final_done:  # a requeued job that finds final/ complete goes on to the evaluation
+        log.info("%s is complete at step %d: RL is not run again", final, plan.final_step)
+    else:
+        last = None if plan.checkpoint is None else str(plan.checkpoint)
+        final = rl(
+            cfg,
+            callbacks,
+            inputs.start_path,
+            inputs.dataset,
+            divergence,
+            guide,
+            inputs.args,
+            inputs.rollout_func,
+            last,
+            out,
+            pool,
+        )
+    pruned_at = next((c.pruned_at for c in callbacks if getattr(c, "pruned_at", None)), None)
+    metrics["train/steps"] = float(pruned_at or cfg.trl.max_steps)
+    if tracker is not None:
+        tracker.set_tag("final_model", str(final))
+        log_anchor_buckets(tracker, out)
+    if pruned_at is not None:  # the sweeper records the trial as pruned; its final numbers are moot
+        metrics["pruned_at_step"] = float(pruned_at)
         if tracker is not None:
-            tracker.log_artifact(out / "config.yaml")
-            tracker.set_tag("base_model", start_path)  # the reference for perplexity-under-base analyses
-        metrics: dict[str, float] = {}
-        # The base model's cells are shared by every run that starts from it (same settings, same seed).
-        to_evaluate = [("base", start_path, base_results_dir(start_path))]
-        pruned_at = None
-        if cfg.trl.max_steps > 0:  # max_steps=0 evaluates the (SFT) start model only: the "base" row
-            callbacks = training_callbacks(cfg, tracker, eval_rows, out, pool, rollout_func)
-            final = rl(
-                cfg,
-                callbacks,
-                start_path,
-                dataset,
-                divergence,
-                guide,
-                args,
-                rollout_func,
-                last,
-                out,
-                pool,
-            )
-            pruned_at = next((c.pruned_at for c in callbacks if getattr(c, "pruned_at", None)), None)
-            metrics["train/steps"] = float(pruned_at or cfg.trl.max_steps)
-            to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
-            if tracker is not None:
-                tracker.set_tag("final_model", str(final))
-                log_anchor_buckets(tracker, out)
-        if pruned_at is not None:  # the sweeper records the trial as pruned; its final numbers are moot
-            metrics["pruned_at_step"] = float(pruned_at)
-            if tracker is not None:
-                tracker.set_tag("pruned_at_step", str(pruned_at))
+            tracker.set_tag("pruned_at_step", str(pruned_at))
+    return metrics, final, pruned_at
 
-        # Every process samples and grades its share of each evaluation cell; the main process merges them
-        # and alone writes the cells, results.json and the records. All models are evaluated before the
-        # main process's analyses, so that no process waits in the next evaluation's collectives for them.
-        evaluated = []
-        if cfg.eval.at_end and pruned_at is None:
-            max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
-            for label, path, rdir in to_evaluate:
-                res = evaluate_model(
-                    path,
+
+def evaluate_models(cfg: DictConfig, to_evaluate: list, eval_rows: dict, pool) -> list:
+    """Each ``(label, model, results dir)`` evaluated: every process samples and grades its share of each
+    evaluation cell; the main process merges them and alone writes the cells, results.json and the records.
+    All models are evaluated before the main process's analyses, so that no process waits in the next
+    evaluation's collectives for them."""
+    from sage.eval.evaluate import evaluate_model
+
+    max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
+    evaluated = []
+    for label, path, rdir in to_evaluate:
+        res = evaluate_model(
+            path,
+            eval_rows,
+            cfg.eval,
+            chat=cfg.model.chat,
+            max_new_tokens=max_new,
+            results_dir=rdir,
+            dtype=sampling_dtype(cfg.model, cfg.eval),
+            pool=pool,
+        )
+        evaluated.append((label, path, res))
+    return evaluated
+
+
+def record_results(
+    cfg: DictConfig, out: Path, tracker, evaluated: list, metrics: dict, inputs: Inputs
+) -> None:
+    """The main process's records: each evaluated model's summary into ``metrics``, MLflow (with what its
+    samples say) and a printed table, then ``metrics.json``."""
+    from sage.eval.analyses import log_analyses
+    from sage.eval.evaluate import format_table
+
+    eval_rows = inputs.eval_rows
+    if evaluated:
+        table = {}
+        for label, path, res in evaluated:
+            table[label] = {ds: r["summary"] for ds, r in res.items()}
+            for ds, r in res.items():
+                metrics.update({metric_name(label, ds, k): v for k, v in r["summary"].items()})
+                if tracker is not None:  # at the evaluated model's step (final/ records it; base: 0)
+                    step = max(final_step(Path(path)), 0)
+                    ks, shown = list(cfg.eval.ks), cfg.tracking.completions_sample
+                    tracker.log_eval(label, ds, r, ks, shown, step=step, rows=eval_rows[ds])
+            if tracker is not None:  # what the samples say, under the start model (the reference)
+                log_analyses(
+                    tracker,
+                    label,
                     eval_rows,
-                    cfg.eval,
+                    res,
                     chat=cfg.model.chat,
-                    max_new_tokens=max_new,
-                    results_dir=rdir,
-                    dtype=sampling_dtype(cfg.model, cfg.eval),
-                    pool=pool,
+                    base=inputs.start_path,
+                    cap=cfg.eval.perplexity_cap,
+                    dtype=str(cfg.model.dtype),
                 )
-                evaluated.append((label, path, res))
-        if not distributed.is_main():  # the records of the evaluation are the main process's
-            return metrics
-        if evaluated:
-            table = {}
-            for label, path, res in evaluated:
-                table[label] = {ds: r["summary"] for ds, r in res.items()}
-                for ds, r in res.items():
-                    metrics.update({metric_name(label, ds, k): v for k, v in r["summary"].items()})
-                    if tracker is not None:  # at the evaluated model's step (final/ records it; base: 0)
-                        step = max(final_step(Path(path)), 0)
-                        ks, shown = list(cfg.eval.ks), cfg.tracking.completions_sample
-                        tracker.log_eval(label, ds, r, ks, shown, step=step, rows=eval_rows[ds])
-                if tracker is not None:  # what the samples say, under the start model (the reference)
-                    log_analyses(
-                        tracker,
-                        label,
-                        eval_rows,
-                        res,
-                        chat=cfg.model.chat,
-                        base=start_path,
-                        cap=cfg.eval.perplexity_cap,
-                        dtype=str(cfg.model.dtype),
-                    )
-            print("\n" + format_table(table, list(cfg.eval.ks), len(cfg.eval.seeds)))
-        print(f"\nrun outputs: {out}")
-        if cfg.trl.max_steps > 0 and final_record(out / "final").get("untrained"):
-            metrics["untrained"] = True  # final/ is the start model (sage.train.untrained)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        if tracker is not None:
-            tracker.log_artifact(out / "metrics.json")
-            print(f"MLflow run: {tracker.run_id}")
-    return metrics
+        print("\n" + format_table(table, list(cfg.eval.ks), len(cfg.eval.seeds)))
+    print(f"\nrun outputs: {out}")
+    if cfg.trl.max_steps > 0 and final_record(out / "final").get("untrained"):
+        metrics["untrained"] = True  # final/ is the start model (sage.train.untrained)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if tracker is not None:
+        tracker.log_artifact(out / "metrics.json")
+        print(f"MLflow run: {tracker.run_id}")
 
 
 def interruption_hint(cfg: DictConfig) -> str:
@@ -564,15 +551,10 @@ def interruption_hint(cfg: DictConfig) -> str:
     is offered only where a checkpoint exists to continue from (else it is refused): without one, nothing
     of the training was saved and a rerun starts over."""
     out = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    rl_dir = out / "rl"
-    steps = [
-        int(d.name.removeprefix("checkpoint-"))
-        for d in (rl_dir.glob("checkpoint-*") if rl_dir.is_dir() else ())
-        if d.is_dir() and d.name.removeprefix("checkpoint-").isdigit() and checkpoint_problem(d) is None
-    ]
-    if steps:
+    last = last_whole_checkpoint(out / "rl")
+    if last is not None:
         return (
-            f"checkpoint-{max(steps)} and finished evaluation cells are kept in {out}; rerun with "
+            f"checkpoint-{checkpoint_step(last)} and finished evaluation cells are kept in {out}; rerun with "
             f"output_dir={out} resume=true to continue"
         )
     if final_step(out / "final") >= 0:
