@@ -2,6 +2,7 @@
 repository's embedded store (subprocesses inherit the variable)."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,44 @@ def _private_mlflow_store(tmp_path_factory):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     yield
     del os.environ["MLFLOW_TRACKING_URI"]
+
+
+@pytest.fixture(scope="session")
+def testbed_model() -> Path:
+    """The testbed model's folder (built once per machine, then read from its cache): tests copy it to
+    damage or change it, never write into it."""
+    from sage.testbed.model import build_tiny_model
+
+    return Path(build_tiny_model())
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> str:
+    """A folder with the testbed tokenizer: all the evaluator reads before it needs a sampler."""
+    from sage.testbed.tokenizer import build_tokenizer
+
+    folder = tmp_path / "ckpt"
+    build_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def sampler(monkeypatch):
+    """The evaluator's sampler and grading pool replaced by ``evaluator_fakes``' (a known matrix of samples,
+    graded in-process); counts how often a sampler was opened."""
+    from evaluator_fakes import FakePool, FakeSampler
+
+    import sage.eval.evaluate as ev
+
+    fake = FakeSampler()
+
+    def open_sampler(*args, **kwargs):
+        fake.opened += 1
+        return fake
+
+    monkeypatch.setattr(ev, "open_sampler", open_sampler)
+    monkeypatch.setattr(ev, "GradingPool", lambda workers: FakePool())
+    return fake
 
 
 # tryfirst: xdist reads the mark in its own collection hook, which must see it

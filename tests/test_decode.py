@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import check_teacher_forcing  # also run on a real model by test_real_llama
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -41,7 +42,6 @@ from sage.eval.decode import (
 from sage.eval.sampling import HFSampler, SamplingSettings
 from sage.testbed.tokenizer import build_tokenizer
 
-ATOL = 1e-4
 VOCAB = 23  # the testbed tokenizer's, so that random models can be sampled through HFSampler too
 SPECIAL = {"eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
 SMALL = {
@@ -107,11 +107,9 @@ RANDOM_MODELS = {
 
 
 @pytest.fixture(scope="module")
-def testbed():
-    from sage.testbed.model import build_tiny_model
-
-    path = build_tiny_model()
-    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+def testbed(testbed_model):
+    model = AutoModelForCausalLM.from_pretrained(testbed_model).eval()
+    return model, AutoTokenizer.from_pretrained(testbed_model)
 
 
 def heldout_ids(tokenizer, n: int) -> list[list[int]]:
@@ -151,47 +149,6 @@ def eos_of(model) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ teacher forcing
-def check_teacher_forcing(model, prompts, copies, *, n_steps=9, drops=None, seed=0, attention="kernel"):
-    """Prefill ``prompts`` (copies[i] rows each), feed random tokens (different in every row) through
-    ``step``, dropping rows with ``DecodeState.select`` before the steps named in ``drops`` ({step: kept
-    batch indices}); every logits row must equal the model's forward pass over that row's unpadded
-    sequence, at the matching position."""
-    drops = drops or {}
-    decoder = CompactDecoder(model, attention=attention)
-    assert decoder.attention == attention
-    width, total = max(map(len, prompts)), sum(copies)
-    cache = decoder.cache(width + n_steps, total + 2)  # larger than needed, as the evaluator's reused one
-    for buf in (*cache.keys, *cache.values):
-        buf.fill_(float("nan"))  # reading a slot never written would poison the logits
-    state, logits = decoder.prefill(prompts, copies, cache, n_steps, pad_id=0)
-    assert state.padded == (len(set(map(len, prompts))) > 1)
-    prompt_of = [i for i, c in enumerate(copies) for _ in range(c)]
-    sequences = [list(prompts[i]) for i in prompt_of]
-    got = [[row] for row in logits]  # per output row: logits after each of its prefixes
-    alive = list(range(total))  # batch row -> output row
-    g = torch.Generator().manual_seed(seed)
-    for t in range(n_steps - 1):
-        if t in drops:
-            state.select(torch.tensor(drops[t]))
-            alive = [alive[k] for k in drops[t]]
-        ids = torch.randint(model.config.vocab_size, (len(alive),), generator=g)
-        for r, i in zip(alive, ids.tolist(), strict=True):
-            sequences[r].append(i)
-        logits = decoder.step(state, ids)
-        assert logits.shape == (len(alive), model.config.vocab_size)
-        for r, row in zip(alive, logits, strict=True):
-            got[r].append(row)
-    spread = []
-    for r, seq in enumerate(sequences):
-        with torch.no_grad():
-            expected = model(torch.tensor([seq])).logits[0, len(prompts[prompt_of[r]]) - 1 :]
-        torch.testing.assert_close(torch.stack(got[r]), expected, atol=ATOL, rtol=1e-4, msg=f"row {r}")
-        spread.append(expected.std().item())
-    # the comparison discriminates: logits vary far more than the tolerance
-    assert min(spread) > 1000 * ATOL
-    return sequences
-
-
 # two rows are dropped after the 3rd step (one copy of prompt 0, the only copy of prompt 1), two more
 # after the 6th (leaving one row of prompts 0 and 2)
 PROMPT_LENGTHS, COPIES = [5, 9, 2], [2, 1, 3]

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_result_identity import env_for
-from test_robustness import sage_eval, sage_train
-from test_run_folder import REPO, TINY, compose  # TINY: the smallest real run; its eval keys replaced by EVAL
+from support import REPO, TINY, compose, env_for, sage_eval, sage_train
 
 from sage.eval.cells import BLOCK_SEQUENCES, CELL_FILES
 from sage.eval.evaluate import problem_blocks
@@ -24,7 +22,7 @@ DATASETS = ("arith_heldout", "arith_tail")  # model=tiny_fork's eval group (eval
 N_SAMPLES, LIMIT = 24, 48
 # 48 problems x 24 samples = 1152 sequences: two blocks per cell, each drawn from a seed of its own
 EVAL = [f"eval.n_samples={N_SAMPLES}", f"eval.ks=[1,{N_SAMPLES}]", f"eval.limit={LIMIT}", "eval.seeds=[0,1]"]
-TRAIN = [o for o in TINY if o.startswith("trl.")]
+TRAIN = [o for o in TINY if o.startswith("trl.")]  # the smallest real run; its eval keys replaced by EVAL
 
 
 def cell_files(results_dir) -> dict[str, bytes]:

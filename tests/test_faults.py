@@ -24,7 +24,7 @@ import prefork
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_robustness import as_foreground
+from support import as_foreground, only_hydra_files
 
 from sage.config import ConfigError, check_eval, exit_on_config_error, full_disk, validate
 from sage.eval.checkpoint import check_prompt_format
@@ -108,10 +108,6 @@ def test_sound_values_pass_and_null_max_new_tokens_is_the_models_length():
     assert compose_cfg("train").eval.max_new_tokens is None  # the only way to say "model's length"
     with pytest.raises(ConfigError, match="model.sft.args.seed must be in"):
         validate(compose_cfg("train", "model=tiny_sft", "model.sft.args.seed=-1"))
-
-
-def only_hydra_files(run_dir: Path) -> bool:
-    return not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "main.log"}
 
 
 @pytest.mark.parametrize("override", ["trl.max_steps=-1", "seed=4294967296", "eval.max_new_tokens=0"])
@@ -333,13 +329,6 @@ def test_shrinking_max_steps_on_resume_is_one_line_and_changes_nothing(terminate
 
 
 # ---------------------------------------------------------------------- item 10: sage-eval's interrupt
-@pytest.fixture(scope="module")
-def testbed_model() -> Path:
-    from sage.testbed.model import build_tiny_model
-
-    return Path(build_tiny_model())
-
-
 @pytest.mark.slow
 def test_sage_evals_ctrl_c_does_not_advise_resume(tmp_path, testbed_model):
     """It advised resume=true, a key sage-eval rejects."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_decode import check_teacher_forcing
+from support import check_teacher_forcing
 
 from sage.data.benchmarks import math_data
 from sage.eval.decode import unsupported_reason

@@ -11,22 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_evaluate
+from evaluator_fakes import ROWS, run  # the evaluator's rows (its fixtures checkpoint and sampler: conftest)
 from omegaconf import OmegaConf
-from support import one_line_error
-from test_robustness import as_foreground, sage_train
-from test_run_folder import TINY, compose  # the smallest real run, and a composed config
+from support import TINY, as_foreground, compose, env_for, one_line_error, sage_train
 
 from sage.config import ConfigError
 from sage.run_folder import IDENTITY_FILE, check_identity
-
-# the evaluator's fixtures (a tokenizer-only checkpoint, a fake sampler and pool) and its ROWS
-checkpoint, sampler = test_evaluate.checkpoint, test_evaluate.sampler
-ROWS, run = test_evaluate.ROWS, test_evaluate.run
-
-
-def env_for(uri: str) -> dict[str, str]:
-    return {"MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
 
 
 def files(folder: Path) -> dict[str, bytes]:

@@ -12,17 +12,15 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import prefork
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import one_line_error, only_hydra_files
+from support import as_foreground, one_line_error, only_hydra_files, sage_eval, sage_train
 from transformers.trainer_utils import get_last_checkpoint
 
 from sage.config import ConfigError
@@ -77,38 +75,6 @@ def test_a_rerun_without_a_checkpoint_starts_a_new_run(tmp_path):
     assert client.get_run(first).info.status == "KILLED"  # the earlier attempt keeps its own record
     with start_run(cfg(uri), out, kind="train", resume=True) as tracker:  # a resume continues the run
         assert tracker.run_id == second
-
-
-def sage_train(*overrides: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    return entry_point("sage.train", *overrides, env=env, **kw)
-
-
-def sage_eval(*overrides: str, **kw) -> subprocess.CompletedProcess:
-    return entry_point("sage.eval", *overrides, **kw)
-
-
-def entry_point(
-    module: str,
-    *overrides: str,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    timeout: int = 300,
-) -> subprocess.CompletedProcess:
-    return prefork.run(
-        [sys.executable, "-m", module, *overrides],
-        timeout=timeout,
-        cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-    )
-
-
-def as_foreground() -> None:
-    """``preexec_fn`` of a child a test interrupts: SIGINT and SIGTERM unblocked and at their default, as
-    for a command typed at a terminal, whatever the test worker's own state. An ignored or blocked signal is
-    inherited across exec; under xdist a child once ran a whole evaluation through the test's Ctrl-C."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_an_unreachable_or_corrupt_store_fails_in_one_line_before_any_work(tmp_path):
@@ -211,13 +177,6 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(command, tmp_path
         r = command(f"output_dir={target}", "tracking.enabled=false")
         assert one_line_error(r).startswith(f"error: output_dir={target} is not writable: {read_only_dir}: ")
     assert list(read_only_dir.iterdir()) == []
-
-
-@pytest.fixture(scope="module")
-def testbed_model() -> Path:
-    from sage.testbed.model import build_tiny_model
-
-    return Path(build_tiny_model())
 
 
 def corrupt(case: str, testbed: Path, folder: Path) -> str:

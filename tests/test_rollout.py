@@ -65,11 +65,10 @@ def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-@pytest.fixture(scope="module")
-def testbed_path():
-    from sage.testbed.model import build_tiny_model
-
-    return build_tiny_model()
+@pytest.fixture
+def testbed_path(testbed_model) -> str:
+    """The testbed model's folder as TRL takes a model to load: a string."""
+    return str(testbed_model)
 
 
 def trainer_for(path, tmp_path, **config) -> GRPOTrainer:

@@ -22,8 +22,17 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from support import one_line_error
-from test_robustness import as_foreground, entry_point, sage_eval, sage_train
+from support import (
+    REPO,
+    TINY,
+    as_foreground,
+    compose,
+    entry_point,
+    env_for,
+    one_line_error,
+    sage_eval,
+    sage_train,
+)
 
 from sage.config import ConfigError
 from sage.run_folder import (
@@ -40,28 +49,7 @@ from sage.run_folder import (
 from sage.tracking import RUN_ID_FILE, start_run
 from sage.train.resume import set_aside_incomplete_checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
 SINCE = r" since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+"  # when the holder took the lock
-# A real testbed run, as small as it goes: 2 prompts x 2 completions a step, 4 held-out problems x 2 samples.
-TINY = [
-    "trl.per_device_train_batch_size=4",
-    "trl.num_generations=2",
-    "eval.n_samples=2",
-    "eval.ks=[1,2]",
-    "eval.limit=4",
-]
-
-
-def compose(*overrides: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from sage.config import register_configs
-
-    register_configs()
-
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=list(overrides))
 
 
 def mlflow_client(uri: str):
@@ -304,10 +292,6 @@ def test_a_save_interrupted_in_its_temporary_folder_is_set_aside(tmp_path):
 
 
 # ------------------------------------------------------------------ real runs
-def env_for(uri: str) -> dict[str, str]:
-    return {"MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
-
-
 def tree(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder`` but Hydra's own (size, mtime): what a refused command must not touch."""
     return {
