@@ -196,7 +196,8 @@ def grader_fingerprint() -> str:
     from pathlib import Path
 
     from sage.data import verifiers
-    from sage.paths import content_key, file_digest
+    from sage.durable import file_digest
+    from sage.paths import content_key
 
     return content_key(
         {

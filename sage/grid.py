@@ -29,8 +29,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from sage.durable import write_atomically
 from sage.parent_runs import DRIVER_TAG, PARENT_KIND, PARENT_NOTE, STUDY_TAG, SWEEP_TAG, log_report_files
-from sage.paths import write_atomically
 from sage.tracking import NOTE_TAG, PARENT_TAG, open_store, redact, resolve_uri
 
 log = logging.getLogger(__name__)

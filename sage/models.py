@@ -99,7 +99,7 @@ def from_gguf(path: str, present_only: bool = False) -> str | None:
     transformers loads a GGUF dequantised but refuses to save or train such a model, and takes the
     tokenizer's eos from its BPE conversion rather than from the file; ``convert_gguf`` says what it
     does about both."""
-    from sage.paths import file_digest
+    from sage.durable import file_digest
 
     if present_only and not Path(path).exists():
         return None
@@ -240,7 +240,7 @@ def _present(sha256: str) -> str | None:
 
 
 def _converted(sha256: str, obtain, provenance: dict) -> str:
-    from sage.paths import build_once
+    from sage.durable import build_once
 
     final = gguf_folder(sha256)
 

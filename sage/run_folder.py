@@ -9,20 +9,18 @@ results.
   ``NO_RESULT_KEYS`` change no number the run reports (where it logs, how often it saves, ...).
   sage-report never splits rows on the second list. A sweep job's folder is named by its overrides minus
   the second list (``job_dir``), so a grid rerun with a changed sweep gives each job its own config's folder.
-- **One writer.** ``writer_lock`` holds an exclusive lock on ``<output_dir>/.writer.lock`` for the life of
-  the run. The file names the holder (pid and host), so a second writer's one line can name it; it is
-  removed when the run ends.
+- **One writer.** ``sage.durable.writer_lock`` holds an exclusive lock on ``<output_dir>/.writer.lock`` for
+  the life of the run. The file names the holder (pid and host), so a second writer's one line can name it;
+  it is removed when the run ends. A grid's driver holds its sweep dir the same way (``GridWritersCheck``),
+  and refuses a grid whose job folder another run is writing (``held_grid_job``).
 - **Nothing is deleted.** ``keep_earlier_final`` moves a ``final/`` that an extended run replaces, with
   the ``sage-eval`` results inside it, to ``final-step-N/``; it waits for a ``sage-eval`` reading that
-  ``final/`` (``reading``: a shared lock on ``.final.readers.lock`` beside it) to end first.
-- ``publish`` makes a folder appear complete or not at all: files fsynced, then one rename.
+  ``final/`` (``sage.durable.reading``: a shared lock on ``.final.readers.lock`` beside it) to end first.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -30,15 +28,14 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from sage.durable import _acquire, active_writer, no_readers, write_atomically
 from sage.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,7 +64,6 @@ NO_RESULT_KEYS = (
 EXTENDING_KEYS = ("trl.max_steps", "eval.*")
 
 IDENTITY_FILE = "identity.json"
-LOCK_FILE = ".writer.lock"
 GRID_LOCK_FILE = ".grid.lock"  # held by a grid's driver in its sweep dir
 CONFIG_FILE = "config.yaml"  # the resolved config of the run's latest attempt (sage.train.main)
 
@@ -159,9 +155,7 @@ def _show(value: Any) -> str:
 
 def record_identity(cfg, out: Path) -> None:
     """Write the folder's identity (whole or not at all)."""
-    tmp = out / f".{IDENTITY_FILE}.tmp"
-    tmp.write_text(json.dumps(identity(cfg), indent=1, sort_keys=True))
-    os.replace(tmp, out / IDENTITY_FILE)
+    write_atomically(out / IDENTITY_FILE, json.dumps(identity(cfg), indent=1, sort_keys=True))
 
 
 # ---------------------------------------------------------------- sweep job folders
@@ -191,95 +185,6 @@ def job_dir(overrides: Any) -> str:
 def safe_name(text: str) -> str:
     """``text`` as one folder name (no separators)."""
     return _UNSAFE.sub("_", text) or "_"
-
-
-# ---------------------------------------------------------------- one writer
-@contextlib.contextmanager
-def writer_lock(out: Path) -> Iterator[None]:
-    """The one writer of ``out`` for the life of the block, in the main process of a run (the others of a
-    multi-process run get the same one line when it is refused). The lock is released, and its file
-    removed, when the block ends; a holder that dies releases it too (its file then stays, naming it)."""
-    from sage import distributed
-
-    held, refused = None, None
-    if distributed.is_main():
-        try:
-            held = _acquire(out)
-        except ConfigError as e:
-            refused = str(e)
-    # The other processes would otherwise wait for the main one in their next collective until the timeout.
-    refused = distributed.broadcast(refused)
-    if refused is not None:
-        raise ConfigError(refused)
-    try:
-        yield
-    finally:
-        if held is not None:
-            (out / LOCK_FILE).unlink(missing_ok=True)  # still held: no one can take this file meanwhile
-            held.close()
-
-
-def _acquire(out: Path, name: str = LOCK_FILE, refusal: Callable[[str], str] | None = None):
-    """An exclusive lock on ``out/name`` whose file names this process (pid, host, since when), or a
-    ConfigError: ``refusal(holder)`` (default: the run writer's line)."""
-    path = out / name
-    while True:
-        lock = open(path, "a+")  # noqa: SIM115 (held for the life of the run)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            who = holder(out, name)
-            raise ConfigError(
-                refusal(who)
-                if refusal is not None
-                else f"output_dir={out} is being written by another run ({who}); "
-                "wait for it to end, or choose another output_dir"
-            ) from None
-        # A holder that was ending removed the file this one opened: the lock is the file now at the path.
-        try:
-            current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        lock.close()
-    lock.seek(0)
-    lock.truncate()
-    since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}))
-    lock.flush()
-    return lock
-
-
-def holder(out: Path, name: str = LOCK_FILE) -> str:
-    """Who holds ``out``'s lock ``name`` (the writer's), as its file says. The holder writes it just after
-    taking the lock, so an empty file is read again for a moment."""
-    for _ in range(20):
-        try:
-            who = json.loads((out / name).read_text())
-            since = f" since {who['since']}" if "since" in who else ""
-            return f"pid {who['pid']} on host {who['host']}{since}"
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.05)
-    return "a process that has not yet written its pid and host"
-
-
-def active_writer(out: Path) -> str | None:
-    """Who is writing ``out`` now (its writer lock is held), or None. The test takes a shared lock for an
-    instant: a writer starting in that instant is refused as if this were a writer, which only a second
-    driver racing the first over the same folder can meet."""
-    try:
-        lock = open(out / LOCK_FILE, "rb")  # noqa: SIM115 (closed below; never created here)
-    except OSError:
-        return None
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return holder(out)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return None
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -392,65 +297,6 @@ def on_main(check: Callable[[], None]) -> None:
         raise ConfigError(refused)
 
 
-# ---------------------------------------------------------------- writing whole folders
-def fsync_tree(folder: Path) -> None:
-    """Every file under ``folder`` and every folder, flushed to the disk."""
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """``tmp`` (complete) becomes ``final`` by one rename after its contents are on the disk: a crash
-    leaves ``final`` absent or whole, never a folder whose files the disk had not yet written."""
-    fsync_tree(tmp)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-# ---------------------------------------------------------------- results kept
-def _readers_lock(folder: Path) -> Path:
-    """Beside the folder, not in it: a file inside would change the checkpoint's fingerprint, and the lock
-    must stay with the name, which an extension gives to its new model."""
-    return folder.parent / f".{folder.name}.readers.lock"
-
-
-@contextlib.contextmanager
-def reading(folder: Path) -> Iterator[None]:
-    """``sage-eval``'s hold on a checkpoint folder for as long as it reads the weights and writes its
-    results into ``<folder>/eval``: a shared lock, so that an extension of the run that moves the folder
-    (``keep_earlier_final``) waits for the evaluation to end instead of leaving it without its files. Once
-    the lock is held the folder must still be there: a one-line ConfigError otherwise. A folder whose parent
-    takes no file (a read-only copy, which no run extends) is read without a lock, as a logged line says."""
-    try:
-        lock = open(_readers_lock(folder), "a+")  # noqa: SIM115 (held for the block)
-    except OSError as e:
-        log.info("%s is read without a lock: %s (%s)", folder, _readers_lock(folder), e.strerror or e)
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_SH)  # an extension holds it only while it renames the folder
-        if not folder.is_dir():
-            raise ConfigError(
-                f"checkpoint={folder} was moved as this evaluation started (an extended run keeps its "
-                "earlier final model as final-step-N/ beside it): evaluate that folder"
-            )
-        yield
-
-
 def keep_earlier_final(
     final: Path, step: int, retag: Callable[[dict, str], None] | None = None
 ) -> Path | None:
@@ -467,12 +313,7 @@ def keep_earlier_final(
     while aside.exists():  # the same step kept before (a run pruned, then extended): keep both
         n += 1
         aside = final.with_name(f"{name}.{n}")
-    with open(_readers_lock(final), "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("%s is being evaluated by sage-eval: waiting for it to end before it moves", final)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with no_readers(final):
         os.replace(final, aside)
     log.info("the earlier final model (step %d) and its evaluations are kept in %s", step, aside)
     eval_dir = aside / "eval"
@@ -480,9 +321,7 @@ def keep_earlier_final(
     if results.is_file():  # the model it names is the one that moved
         payload = json.loads(results.read_text())
         if payload.get("checkpoint") == moved:
-            tmp = results.with_name(f"{results.name}.{os.getpid()}.tmp")  # whole or not at all
-            tmp.write_text(json.dumps({**payload, "checkpoint": str(aside.resolve())}, indent=1))
-            os.replace(tmp, results)
+            write_atomically(results, json.dumps({**payload, "checkpoint": str(aside.resolve())}, indent=1))
     for record_file in sorted(eval_dir.glob("mlflow_run_id*.json")) if eval_dir.is_dir() else []:
         record = json.loads(record_file.read_text())
         record["folder"] = str(eval_dir.resolve())

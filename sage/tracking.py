@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from sage.durable import exclusive_lock
 from sage.errors import NO_SPACE_TEXT, ConfigError
 from sage.eval.artifacts import completions_table, passk_figure, passk_table
 from sage.killed import record_killed
@@ -355,12 +356,8 @@ def open_store(uri: str, experiment: str):
     if not uri.startswith("sqlite:///"):
         client = MlflowClient(tracking_uri=uri)
         return client, experiment_id(client, experiment, uri)
-    import fcntl
-
     db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(db.with_name(db.name + ".lock")):
         client = MlflowClient(tracking_uri=uri)
         return client, experiment_id(client, experiment, uri)
 

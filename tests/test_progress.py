@@ -36,11 +36,11 @@ def test_progress_logs_a_line_when_enough_time_passed_and_when_done(caplog):
 
 
 def test_the_base_model_build_says_where_it_caches(tmp_path, monkeypatch, caplog):
-    from sage import paths
+    from sage import durable
     from sage.testbed import model
 
     built = []
-    monkeypatch.setattr(paths, "build_once", lambda final, *a, **k: built.append(final) or final)
+    monkeypatch.setattr(durable, "build_once", lambda final, *a, **k: built.append(final) or final)
     with caplog.at_level(logging.INFO, logger=model.log.name):
         folder = model.build_tiny_model(cache_dir=str(tmp_path))
     (line,) = [r.getMessage() for r in caplog.records if "building the testbed base model" in r.getMessage()]

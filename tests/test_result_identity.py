@@ -317,7 +317,8 @@ def test_a_folder_whose_mlflow_run_was_deleted_says_how_to_recover(no_checkpoint
 def test_moving_a_final_model_waits_for_its_evaluation(tmp_path):
     import threading
 
-    from sage.run_folder import keep_earlier_final, reading
+    from sage.durable import reading
+    from sage.run_folder import keep_earlier_final
 
     final = tmp_path / "final"
     final.mkdir()

@@ -35,16 +35,15 @@ from support import (
 )
 
 from sage.config import ConfigError
+from sage.durable import LOCK_FILE, writer_lock
 from sage.run_folder import (
     IDENTITY_FILE,
-    LOCK_FILE,
     NO_RESULT_KEYS,
     check_identity,
     identity,
     job_dir,
     matches,
     record_identity,
-    writer_lock,
 )
 from sage.tracking import RUN_ID_FILE, start_run
 from sage.train.resume import set_aside_incomplete_checkpoints
@@ -157,8 +156,9 @@ def test_a_second_grid_driver_over_a_job_being_written_is_one_line_naming_the_ho
 def test_a_second_grid_driver_into_a_held_sweep_dir_is_one_line_and_writes_nothing(tmp_path):
     """Issue 47: two different grids launched into one sweep dir at once merged under the first grid's
     parent run and name, and multirun.yaml kept only the second grid's sweep."""
+    from sage.durable import _acquire
     from sage.grid import JOBS_FILE
-    from sage.run_folder import GRID_LOCK_FILE, _acquire
+    from sage.run_folder import GRID_LOCK_FILE
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()

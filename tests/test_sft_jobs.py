@@ -83,7 +83,7 @@ def test_a_grid_needs_one_sft_job_per_stage_the_cache_lacks(monkeypatch, tmp_pat
     with pytest.MonkeyPatch.context() as mp:  # where build_tiny_model would put the base model
         made = []
         mp.setattr(
-            "sage.paths.build_once", lambda final, marker, build, processes: made.append(final) or final
+            "sage.durable.build_once", lambda final, marker, build, processes: made.append(final) or final
         )
         folder = Path(instantiate_node(cfg.model.source))
     assert made and folder.parent == base

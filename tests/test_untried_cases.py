@@ -79,7 +79,7 @@ def base_model_build_folder(cache: Path) -> Path:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train")
     with mock.patch.dict(os.environ, {"SAGE_CACHE_DIR": str(cache)}):
-        with mock.patch("sage.paths.build_once", lambda final, *args, **kwargs: final):
+        with mock.patch("sage.durable.build_once", lambda final, *args, **kwargs: final):
             return Path(instantiate_node(cfg.model.source))
 
 

@@ -417,9 +417,9 @@ def _short(text: str, keep: int = 60) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """``sage.paths.write_atomically`` (another process loading the same benchmark may read it at any time);
+    """``sage.durable.write_atomically`` (another process loading the same benchmark may read it at any time);
     a cache that cannot be written (a read-only home) only costs the check again next time."""
-    from sage.paths import write_atomically
+    from sage.durable import write_atomically
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

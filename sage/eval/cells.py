@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from sage.durable import cell_file_digest, tmp_folder_for
 from sage.eval.sampling import SamplingSettings
 from sage.metrics import pass_at_k_curve
-from sage.paths import tmp_folder_for
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ def rows_digest(rows: list[dict]) -> str:
 
     graded = [[r["id"], r["problem"], r["answer"], row_verifier(r)] for r in rows]
     return hashlib.sha256(json.dumps(graded, default=str).encode()).hexdigest()[:16]
-
-
-def cell_file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def cell_dir(results_dir: Path, key: CellKey) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage.config import ConfigError
-from sage.paths import file_digest
+from sage.durable import file_digest
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = (

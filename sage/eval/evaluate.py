@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from sage import distributed
 from sage.config import ConfigError, check_backend
 from sage.data.verifiers import row_verifier
+from sage.durable import MainDecision, folder_lock
 from sage.eval.cells import (
     BLOCK_SEQUENCES,
     RESULTS_FILE,
@@ -56,7 +57,6 @@ from sage.eval.sampling import (
 )
 from sage.grading import GradingPool
 from sage.metrics import pass_at_k_curve_over_seeds, pass_at_k_over_seeds
-from sage.paths import MainDecision, folder_lock
 from sage.progress import Progress
 
 log = logging.getLogger(__name__)

@@ -42,10 +42,10 @@ from sage.config import (
     register_configs,
     sampling_dtype,
 )
+from sage.durable import folder_lock, reading
 from sage.metrics import metric_name
-from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key, folder_lock
+from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
 from sage.reaper import reap_on_exit
-from sage.run_folder import reading
 from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")
@@ -116,7 +116,7 @@ def evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_prompt_lengths(checkpoint, tokenizer, rows, cfg.model.chat, max_new_tokens)
     key = settings_key(cfg, model_path, rows, max_new_tokens)
     # A checkpoint folder is held for reading until its results are written: an extension of its run that
-    # moves it to final-step-N/ meanwhile waits (sage.run_folder.reading).
+    # moves it to final-step-N/ meanwhile waits (sage.durable.reading).
     held = reading(Path(model_path)) if cfg.checkpoint is not None else contextlib.nullcontext()
     # the pool's workers start only if a cell is to be sampled (pebble starts them on first use)
     with held, GradingPool(workers=2, max_answer_chars=cfg.grading.max_answer_chars) as pool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from sage import paths
+from sage import durable, paths
 from sage.config import ConfigError
 from sage.progress import eta_line
 from sage.testbed.task import (
@@ -136,7 +136,8 @@ def build_tiny_model(
     # transformers writes a model's weights from rank 0 of a process group only: a build by another rank
     # would leave a folder without them. In a multi-process run the main process builds (or waits for
     # another job's build) while the others wait for it on the file system.
-    return str(paths.build_once(final, BUILD_INFO_FILE, functools.partial(_build, config), processes="main"))
+    build = functools.partial(_build, config)
+    return str(durable.build_once(final, BUILD_INFO_FILE, build, processes="main"))
 
 
 def _build(config: dict, folder: Path) -> None:

@@ -53,7 +53,7 @@ class CheckpointMixin:
         state, TRL's entropy controller), and every one takes the folder from ``_get_output_dir``: that is
         the one redirection. A callback could not do it: ``on_save`` runs after the files are in place.
         Old checkpoints are then rotated among the published ones (``_rotate_published``)."""
-        from sage.run_folder import publish
+        from sage.durable import publish
 
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"

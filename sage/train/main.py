@@ -40,11 +40,12 @@ from sage.config import (
     sampling_dtype,
     validate,
 )
+from sage.durable import publish, write_atomically, writer_lock
 from sage.metrics import metric_name
 from sage.models import lora_config
-from sage.paths import CONF_DIR, base_results_dir, cache_dir, write_atomically
+from sage.paths import CONF_DIR, base_results_dir, cache_dir
 from sage.reaper import reap_on_exit
-from sage.run_folder import keep_earlier_final, on_main, publish, record_identity, writer_lock
+from sage.run_folder import keep_earlier_final, on_main, record_identity
 from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
 from sage.train.resume import (
     FINAL_FILE,

@@ -35,7 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from sage import distributed
 from sage.config import changed_only, instantiate_node
-from sage.paths import build_once, content_key
+from sage.durable import build_once
+from sage.paths import content_key
 
 log = logging.getLogger(__name__)
 

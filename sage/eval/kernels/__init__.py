@@ -4,7 +4,7 @@ with OpenMP, and ninja) into ``<sage cache>/kernels`` and registered as ``torch.
 One kernel so far, ``decode_attention`` (``decode_attention.cpp``): the attention of a decode step of
 :class:`sage.eval.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
 version, so an edited kernel or another torch never loads a stale library. Concurrent jobs on a cold cache
-build it once: each takes the build folder's flock (``sage.paths.folder_lock``) before torch's builder runs.
+build it once: each takes the build folder's flock (``sage.durable.folder_lock``) before torch's builder runs.
 Torch's own lock is a file made with O_EXCL that a killed build leaves behind, after which every later
 build waits on it forever; under the flock no other build is alive, so such a file is stale and removed."""
 
@@ -59,7 +59,8 @@ def decode_attention_unavailable() -> str | None:
     else the reason it cannot be (the compiler's error line, else the builder's first line)."""
     from torch.utils.cpp_extension import load
 
-    from sage.paths import cache_dir, folder_lock
+    from sage.durable import folder_lock
+    from sage.paths import cache_dir
 
     flags = compiler_flags()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*flags, torch.__version__]).encode()).hexdigest()

@@ -9,7 +9,7 @@ from pathlib import Path
 _KILLED_BUILD = """
 import os, signal, sys
 from pathlib import Path
-from sage.paths import build_once
+from sage.durable import build_once
 def build(tmp):
     (tmp / "half.bin").write_bytes(b"x")
     os.kill(os.getpid(), signal.SIGKILL)  # killed mid-build: no finally runs
@@ -26,7 +26,7 @@ def test_a_killed_build_leaves_nothing_after_the_next_build(tmp_path: Path) -> N
     (stale,) = final.parent.glob(".tmp-abc123-*")
     assert (stale / "half.bin").is_file() and not final.exists()
 
-    from sage.paths import build_once
+    from sage.durable import build_once
 
     def build(tmp: Path) -> None:
         (tmp / "done.json").write_text("{}")
@@ -41,7 +41,7 @@ def test_a_killed_build_leaves_nothing_after_the_next_build(tmp_path: Path) -> N
 _HOLDER = """
 import sys
 from pathlib import Path
-from sage.paths import folder_lock
+from sage.durable import folder_lock
 with folder_lock(Path(sys.argv[1])):
     print("held", flush=True)
     sys.stdin.read()  # until the test closes our stdin
@@ -56,7 +56,7 @@ def test_a_wait_on_another_process_lock_names_the_holder_and_says_it_still_waits
     import socket
     import threading
 
-    from sage.paths import folder_lock
+    from sage.durable import folder_lock
 
     final = tmp_path / "cache" / "abc123"
     holder = subprocess.Popen(
@@ -65,13 +65,13 @@ def test_a_wait_on_another_process_lock_names_the_holder_and_says_it_still_waits
     try:
         assert holder.stdout.readline().strip() == "held"
         threading.Timer(1.0, holder.stdin.close).start()  # the holder finishes a second from now
-        with caplog.at_level(logging.INFO, logger="sage.paths"), folder_lock(final, every_s=0.3):
+        with caplog.at_level(logging.INFO, logger="sage.durable"), folder_lock(final, every_s=0.3):
             lock = final.parent / ".abc123.lock"
             assert f'"pid": {os.getpid()}' in lock.read_text()  # ours now, for the next waiter to read
     finally:
         holder.kill()
         holder.wait()
-    lines = [r.getMessage() for r in caplog.records if r.name == "sage.paths"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sage.durable"]
     held_by = f"held by pid {holder.pid} on host {socket.gethostname()} since "
     assert lines[0].startswith(f"waiting for the lock of {final}, {held_by}"), lines
     assert lines[0].endswith(" ago) (lock file .abc123.lock)"), lines
