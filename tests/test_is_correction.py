@@ -1,11 +1,11 @@
 """The importance-sampling correction of a vLLM rollout without TRL's extra log-prob pass
-(sage/train/trainer.py): when the policy cannot move between a generation batch and its last micro-batch,
-the ratio comes from the loss pass's own log-probs. Against TRL's own path (its no-grad pass over every
-completion), on the same model, data and engine log-probs: the same logged ratio metrics and the same
+(sage/train/deferred_ratio.py): when the policy cannot move between a generation batch and its last
+micro-batch, the ratio comes from the loss pass's own log-probs. Against TRL's own path (its no-grad pass over
+every completion), on the same model, data and engine log-probs: the same logged ratio metrics and the same
 weights after two optimiser steps, in every importance-sampling mode, with one no-grad policy pass fewer per
 generation batch, and the same importance-weight figures (spread, tail, cut share, truncated mass). Also the
-one-line warnings: when the first ratio starts away from 1, and at any step when the weights spread past
-their bounds (sage.train.importance, on hand-computed cases).
+one-line warnings: when the first ratio starts away from 1, and at any step when the weights spread past their
+bounds (sage.train.importance, on hand-computed cases).
 
 The engine is a stand-in (no vLLM): completions drawn from a seeded generator, with "engine" log-probs equal
 to the policy's own at the sampling temperature plus a seeded offset per token, so that ratios spread on both
@@ -167,7 +167,7 @@ KEYS = [
 def test_the_loss_pass_ratio_equals_trls_pass_with_one_pass_fewer(
     model_path, tmp_path, caplog, mode, clip_min, clip_max
 ):
-    with caplog.at_level(logging.WARNING, logger="sage.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="sage.train.deferred_ratio"):
         ours = train(SageGRPOTrainer, model_path, tmp_path / "ours", mode, clip_min, clip_max)
     warned = [r.getMessage() for r in caplog.records if "the importance weights" in r.getMessage()]
     theirs = train(WithTrlPass, model_path, tmp_path / "theirs", mode, clip_min, clip_max)

@@ -434,26 +434,22 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
     q and the guide's active share at those tokens; a model without markers logs none and the fork guide
     refuses it."""
     beta = 0.05
-    plain = make(
-        SageGRPOTrainer,
-        fork_model_path,
-        tmp_path / "a",
-        beta,
-        "grpo",
-        divergence=ReverseKL(beta),
-        guide=NoGuide(),
-        fork_markers=FORK_MARKERS.values(),
-    )
-    fork = make(
-        SageGRPOTrainer,
-        fork_model_path,
-        tmp_path / "b",
-        beta,
-        "grpo",
-        divergence=ReverseKL(beta),
-        guide=ForkGuide(),
-        fork_markers=FORK_MARKERS.values(),
-    )
+
+    def with_markers(path, folder: str, guide):
+        """A trainer told the fork world's markers, as sage-train tells it."""
+        return make(
+            SageGRPOTrainer,
+            path,
+            tmp_path / folder,
+            beta,
+            "grpo",
+            divergence=ReverseKL(beta),
+            guide=guide,
+            fork_markers=FORK_MARKERS.values(),
+        )
+
+    plain = with_markers(fork_model_path, "a", NoGuide())
+    fork = with_markers(fork_model_path, "b", ForkGuide())
     inputs = fake_inputs(plain, seed=2)
     markers = plain.processing_class.convert_tokens_to_ids(list(FORK_MARKERS.values()))
     ids, mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -474,27 +470,9 @@ def test_the_fork_guide_shapes_the_anchor_at_the_marker_tokens_and_the_trainer_l
     assert logged["guide/active_frac"][-1] == pytest.approx(3 / mask.sum().item())
     assert plain._metrics["train"]["guide/q_fork"][-1] == 1.0  # the plain anchor at the same tokens
     # a model of another world: no markers in its vocabulary, nothing logged at forks, the fork guide refuses
-    other = make(
-        SageGRPOTrainer,
-        model_path,
-        tmp_path / "c",
-        beta,
-        "grpo",
-        divergence=ReverseKL(beta),
-        guide=NoGuide(),
-        fork_markers=FORK_MARKERS.values(),
-    )
+    other = with_markers(model_path, "c", NoGuide())
     loss_and_grad(other, fake_inputs(other, seed=2))
     assert "guide/q_fork" not in other._metrics["train"]
-    refusing = make(
-        SageGRPOTrainer,
-        model_path,
-        tmp_path / "d",
-        beta,
-        "grpo",
-        divergence=ReverseKL(beta),
-        guide=ForkGuide(),
-        fork_markers=FORK_MARKERS.values(),
-    )
+    refusing = with_markers(model_path, "d", ForkGuide())
     with pytest.raises(ValueError, match="model=tiny_fork"):
         loss_and_grad(refusing, fake_inputs(refusing, seed=2))

@@ -1,5 +1,5 @@
-"""What a vLLM rollout's importance weights look like, step by step: pure functions the trainer
-(``sage.train.trainer``) wires into its metrics, and the bounds at which it warns.
+"""What a vLLM rollout's importance weights look like, step by step: pure functions the trainer's
+``sage.train.deferred_ratio`` wires into its metrics, and the bounds at which it warns.
 
 The correction (TRL's ``vllm_importance_sampling_*``) weighs a completion by the trainer's probability of it
 over the engine's. Its mean stays near 1 however the two sides differ, so the mean says little; what matters
