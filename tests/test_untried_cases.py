@@ -127,7 +127,7 @@ def test_sigterm_while_waiting_on_a_build_lock_exits_within_5_s(tmp_path):
 
 QUICK_EXIT = r"""
 import atexit, sys, threading, time
-from sage.quick_exit import quick_exit_when_interrupted
+from sage.cli import quick_exit_when_interrupted
 
 class Module:  # an object freed only by the interpreter's teardown of its modules
     def __del__(self):

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from sage.cli import exit_on_config_error, run_command
 from sage.config import (
     EvalConfig,
     GradingConfig,
@@ -37,15 +36,13 @@ from sage.config import (
     check_eval,
     check_grading,
     check_tracking,
-    exit_on_config_error,
     instantiate_node,
     register_configs,
-    sampling_dtype,
 )
 from sage.durable import folder_lock, reading
+from sage.hardware import sampling_dtype
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
-from sage.reaper import reap_on_exit
 from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")
@@ -272,17 +269,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    reap_on_exit()  # a killed run's vLLM engine processes die with it
-    register_evaluate_configs()
-    from sage.hydra_errors import quote_paths, run_app  # composition errors as one line, like every other
-
-    # a grid's job folder as it prints (experiment=grpo_branch,seed=1/final) is taken as written
-    sys.argv[1:] = quote_paths(sys.argv[1:], ("checkpoint", "output_dir", "eval.perplexity_base"))
-    from sage.quick_exit import quick_exit_when_interrupted
-
-    with quick_exit_when_interrupted():  # SIGTERM: gone once the run is closed, not after the teardown
-        run_app(_hydra_main, CONF_DIR)
+    run_command(_hydra_main, register_evaluate_configs, ("checkpoint", "output_dir", "eval.perplexity_base"))
 
 
 if __name__ == "__main__":

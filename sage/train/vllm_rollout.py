@@ -40,7 +40,7 @@ AsyncGRPOTrainer, prime-rl, SkyRL) send the adapter alone. So:
 - What vLLM cannot serve as an adapter (DoRA, ``lora_bias``, ``modules_to_save``, a bias, LoRA on the
   output layer or the embeddings, which vLLM's ``add_lora`` rejects) and a tied output layer under full
   fine-tuning are refused in one line (:func:`refusal`) when the config is composed (sage-train's
-  checks and ``python -m sage.train.memory``, through ``sage.train.memory.check_rollout``), again when
+  checks and ``python -m sage.train.plan``, through ``sage.train.memory.check_rollout``), again when
   the rollout function is built, and, for what only the built model shows (LoRA on other than linear layers, a
   tie the config cannot tell), before the first step. ``rollout=vllm_merged`` (TRL's colocated engine with
   the out-of-place merged sync, CUDA only) is the explicit choice for those.
@@ -141,7 +141,7 @@ def refusal(lora, args=None, tied: bool | None = None) -> str | None:
     """The one line refusing what this rollout function cannot serve, or None: what :func:`refused_lora`
     finds in ``lora`` (None: full fine-tuning) and :func:`refused_settings` in ``args`` (None: not checked),
     then a fully fine-tuned model whose output layer is tied to its embeddings (``tied``; None: not known
-    yet, as before the model is built). sage-train's config validation, ``python -m sage.train.memory``,
+    yet, as before the model is built). sage-train's config validation, ``python -m sage.train.plan``,
     the constructor and :meth:`VllmRollout.attach` all refuse with it."""
     refused = refused_lora(lora) + ([] if args is None else refused_settings(args))
     if refused:
@@ -160,12 +160,12 @@ class VllmRollout(RolloutCalls):
         self, args, lora, dtype: str, cpu_memory_utilization: float, engine_dtype: str = "auto"
     ) -> None:
         from sage.config import check_vllm
-        from sage.config import engine_dtype as resolve
+        from sage.hardware import engine_dtype as resolve
 
         refused = refusal(lora, args)
         if refused:
             raise ConfigError(refused)
-        # the engine's dtype (model.engine_dtype, sage.config.engine_dtype); the trainer's stays model.dtype
+        # the engine's dtype (model.engine_dtype, sage.hardware.engine_dtype); the trainer's stays model.dtype
         # (full fine-tuning keeps float32 master weights), and the correction accounts for the difference
         self.dtype = resolve(str(engine_dtype), str(dtype))
         check_vllm("rollout=vllm", self.dtype)
