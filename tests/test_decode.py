@@ -30,15 +30,8 @@ from transformers import (
 
 import sage.eval.sampling as sampling
 from sage.config import ConfigError
-from sage.eval.decode import (
-    COMPACT_WHEN_FINISHED,
-    CompactDecoder,
-    CompactForward,
-    DecodeState,
-    KVCache,
-    sample_batch,
-    unsupported_reason,
-)
+from sage.eval.decode import CompactDecoder, DecodeState, KVCache, unsupported_reason
+from sage.eval.decode_loop import COMPACT_WHEN_FINISHED, CompactForward, sample_batch
 from sage.eval.sampling import HFSampler, SamplingSettings
 from sage.testbed.tokenizer import build_tokenizer
 

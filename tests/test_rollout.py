@@ -27,7 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from trl import GRPOConfig, GRPOTrainer
 
 from sage.config import ConfigError
-from sage.eval.decode import pick
+from sage.eval.decode_loop import pick
 from sage.objective.guides import noise_seed
 from sage.train.rollout import CompactRollout, rollout_seed, runs
 

@@ -17,15 +17,8 @@ import torch
 from sage.config import ConfigError, check_backend
 from sage.data.prompts import make_prompt
 from sage.eval.checkpoint import ADAPTER_CONFIG, Checkpoint
-from sage.eval.decode import (
-    CompactDecoder,
-    CompactForward,
-    Forward,
-    KVCache,
-    TransformersForward,
-    sample_batch,
-    unsupported_reason,
-)
+from sage.eval.decode import CompactDecoder, KVCache, unsupported_reason
+from sage.eval.decode_loop import CompactForward, Forward, TransformersForward, sample_batch
 from sage.vllm_engine import build_llm, generate_block, shutdown_engine
 
 log = logging.getLogger(__name__)
@@ -107,7 +100,7 @@ class HFSampler(Sampler):
     """transformers backend (the CPU default), on a loaded model (also the one being trained, for the
     periodic evaluation) in eval mode.
 
-    One sampling loop (``sage.eval.decode.sample_batch``) drives either forward pass: Llama-family models
+    One sampling loop (``sage.eval.decode_loop.sample_batch``) drives either forward pass: Llama-family models
     (Qwen2, Llama, Mistral) go through :class:`sage.eval.decode.CompactDecoder`, which computes the model's
     forward pass op for op with fused projections and a preallocated cache; any other model (or a
     PEFT-wrapped one) through transformers' own forward (slower: ``make bench`` measures both). Both sample
@@ -207,7 +200,7 @@ class HFSampler(Sampler):
         """copies[i] completions of prompt i, as token ids (eos included), all drawn from one generator
         seeded with ``seed``; in chunks of at most batch_size sequences, shortest prompts first. Yields
         per chunk the prompt index of each completion and the completions; a prompt's completions come
-        in the order they were drawn, across chunks too. ``min_p`` as in ``sage.eval.decode.pick``;
+        in the order they were drawn, across chunks too. ``min_p`` as in ``sage.eval.decode_loop.pick``;
         ``forward``: one from :meth:`forward` for at least these sequences (None: made for this call)."""
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
