@@ -304,8 +304,9 @@ def carry_testbed(out: Path) -> Path:
     from hydra import compose, initialize_config_dir
 
     from launchers.gpu_check import stage_a
-    from sage.config import instantiate_node, register_configs
+    from sage.config import register_configs
     from sage.paths import CONF_DIR
+    from sage.targets import instantiate_node
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

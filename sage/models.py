@@ -87,7 +87,7 @@ def lora_config(cfg):
     peft's defaults. Here, not in an entry point: the SFT stage and the RL entry point both read it."""
     if cfg.model.lora is None:
         return None
-    from sage.config import changed_only, instantiate_node
+    from sage.targets import changed_only, instantiate_node
 
     return instantiate_node(changed_only(cfg.model.lora))
 

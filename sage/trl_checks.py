@@ -30,8 +30,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sage.config import ConfigError, changed_only
+from sage.config import ConfigError
 from sage.hardware import cpu_computes_bfloat16
+from sage.targets import changed_only
 
 # GRPOConfig's keys that sage-train supplies from keys of their own (sage.config.GRPO_RUNTIME): the key a
 # user sets for each.

@@ -93,8 +93,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "heldout_draws")
     args = p.parse_args()
 
-    from sage.config import instantiate_node
     from sage.grading import GradingPool
+    from sage.targets import instantiate_node
     from sage.testbed.task import heldout_rows, problem_tier
 
     cfg = eval_config(args.samples)

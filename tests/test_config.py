@@ -16,8 +16,9 @@ from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from sage.config import ConfigError, changed_only, default_ks, instantiate_node, register_configs, validate
+from sage.config import ConfigError, default_ks, register_configs, validate
 from sage.objective.divergences import SequenceKL
+from sage.targets import changed_only, instantiate_node
 from sage.train.main import grpo_args, lora_config
 from sage.trl_checks import cpu_precision
 

@@ -421,8 +421,8 @@ def global_batch_warning_absent(out: str) -> bool:
 def test_the_printed_sft_command_builds_the_sft_stage_and_nothing_else(capsys, monkeypatch, tmp_path):
     """The plan's command, run as printed, leaves the SFT stage a grid job of the same model reuses (the
     cache entry of the job's own key), and neither an RL step nor an evaluation."""
-    from sage.config import instantiate_node
     from sage.paths import cache_dir
+    from sage.targets import instantiate_node
     from sage.train.sft import DONE_FILE, sft_key
 
     # a cache of the test's own for the SFT stage, beside the machine's testbed base models (built once)

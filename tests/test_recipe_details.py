@@ -12,10 +12,11 @@ from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sage.config import ConfigError, instantiate_node, register_configs
+from sage.config import ConfigError, register_configs
 from sage.data import datasets as sage_datasets
 from sage.eval.sampling import HFSampler
 from sage.models import policy_dtype
+from sage.targets import instantiate_node
 from sage.train.main import grpo_args, lora_config
 from sage.train.sft import run_sft
 

@@ -57,7 +57,8 @@ def sft_folder(overrides: list[str]) -> Path:
     """Where the SFT stage of a sage-train run with ``overrides`` is stored (the lock beside it)."""
     from hydra import compose, initialize_config_dir
 
-    from sage.config import instantiate_node, register_configs
+    from sage.config import register_configs
+    from sage.targets import instantiate_node
     from sage.train.sft import sft_key
 
     register_configs()

@@ -75,8 +75,8 @@ def test_a_grid_needs_one_sft_job_per_stage_the_cache_lacks(monkeypatch, tmp_pat
     # trained: what is checked is that the driver finds them without building or fetching anything)
     cfg = compose_train(jobs[0])
     base = tmp_path / "cache" / "testbed"
-    from sage.config import instantiate_node
     from sage.paths import content_key
+    from sage.targets import instantiate_node
     from sage.testbed.model import BUILD_INFO_FILE
     from sage.train.sft import sft_key
 

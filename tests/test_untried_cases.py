@@ -73,7 +73,8 @@ def read_until(proc: subprocess.Popen, needle: str, deadline_s: float) -> list[s
 # ------------------------------------------------------------------------- SIGTERM during a lock wait
 def base_model_build_folder(cache: Path) -> Path:
     """Where model=tiny's base model is built under the cache ``cache`` (nothing is built)."""
-    from sage.config import instantiate_node, register_configs
+    from sage.config import register_configs
+    from sage.targets import instantiate_node
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -218,7 +218,7 @@ def claim_cell(cell: Path, key: CellKey, ids: list[str]) -> Iterator[dict | None
 def load_eval_rows(datasets_cfg, limit: int | None) -> dict[str, list[dict]]:
     """Every eval dataset's rows, loaded up front so that a bad file or an unknown verifier fails before any
     sampling."""
-    from sage.config import instantiate_node
+    from sage.targets import instantiate_node
 
     rows = {}
     for name, node in datasets_cfg.items():

@@ -36,13 +36,13 @@ from sage.config import (
     check_eval,
     check_grading,
     check_tracking,
-    instantiate_node,
     register_configs,
 )
 from sage.durable import folder_lock, reading
 from sage.hardware import sampling_dtype
 from sage.metrics import metric_name
 from sage.paths import CONF_DIR, base_results_dir, check_output_dir, content_key
+from sage.targets import instantiate_node
 from sage.tracking import check_store, start_run
 
 log = logging.getLogger("sage.eval")

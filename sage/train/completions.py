@@ -89,7 +89,7 @@ def sft_rows(sft_cfg, chat: bool) -> tuple[int | None, str]:
     the local cache only: the plan downloads nothing (an offline machine would retry for half a minute)."""
     import datasets.config
 
-    from sage.config import instantiate_node
+    from sage.targets import instantiate_node
 
     offline = datasets.config.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = True

@@ -34,9 +34,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from sage import distributed
-from sage.config import changed_only, instantiate_node
 from sage.durable import build_once
 from sage.paths import content_key
+from sage.targets import changed_only, instantiate_node
 
 log = logging.getLogger(__name__)
 
