@@ -195,17 +195,29 @@ def check_rollout(cfg) -> None:
     embeddings (``sage.train.memory.tied_embeddings``: the stored or local config.json, the testbed's models).
     sage-train (after ``sage.config.validate``) and ``python -m sage.train.plan`` call it; imports no vLLM
     (here, not in sage.config, which the modules it reads import)."""
-    from omegaconf import OmegaConf
-
     from sage.config import ConfigError
 
-    if OmegaConf.select(cfg, "rollout_func._target_") != "sage.train.vllm_rollout.VllmRollout":
+    if not adapter_engine(cfg):
         return
     from sage.train.vllm_rollout import refusal
 
     refused = refusal(cfg.model.lora, cfg.trl, tied=tied_embeddings(cfg.model.source))
     if refused:
         raise ConfigError(refused)
+
+
+def adapter_engine(cfg) -> bool:
+    """Whether the training rollouts come from sage's adapter engine (``rollout=vllm``: a VllmRollout)."""
+    from omegaconf import OmegaConf
+
+    from sage.targets import builds
+
+    node = OmegaConf.select(cfg, "rollout_func")
+    if node is None:
+        return False
+    from sage.train.vllm_rollout import VllmRollout
+
+    return builds(node, VllmRollout)
 
 
 def tied_embeddings(source) -> bool | None:
@@ -268,11 +280,7 @@ def colocated_fraction(cfg) -> float:
     ``trl.vllm_gpu_memory_utilization``; 0 with no engine on the training GPU (or TRL's server mode)."""
     t = cfg.trl
     colocated = t.use_vllm and t.vllm_mode == "colocate"
-    from omegaconf import OmegaConf
-
-    target = OmegaConf.select(cfg, "rollout_func._target_")
-    adapter_engine = target == "sage.train.vllm_rollout.VllmRollout"
-    return float(t.vllm_gpu_memory_utilization) if colocated or adapter_engine else 0.0
+    return float(t.vllm_gpu_memory_utilization) if colocated or adapter_engine(cfg) else 0.0
 
 
 def plan(cfg, gpu_gib: float, prompt_tokens: int, processes: int = 1) -> tuple[Batch, dict[str, float], str]:
@@ -299,10 +307,8 @@ def engine_room_dtype(cfg) -> str:
     (``rollout=vllm``) serves in ``model.engine_dtype``, whose ``auto`` is bfloat16 on the bfloat16 GPUs a
     plan is for (resolving it on the planning machine would size the cluster's engine by this one's CPU);
     TRL's engine (``rollout=vllm_merged``) serves in the checkpoint's dtype, ``model.dtype``."""
-    from omegaconf import OmegaConf
-
     model_dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
-    if OmegaConf.select(cfg, "rollout_func._target_") != "sage.train.vllm_rollout.VllmRollout":
+    if not adapter_engine(cfg):
         return model_dtype
     engine = str(getattr(cfg.model.engine_dtype, "value", cfg.model.engine_dtype))
     return "bfloat16" if engine == "auto" else engine
