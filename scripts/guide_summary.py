@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {args.diagnostics}: {e}", file=sys.stderr)
         return 2
-    from sage.eval.guide_diagnostics import markdown
+    from sage.eval.guide_rendering import markdown
 
     sys.stdout.write(markdown(report))
     return 0

@@ -14,6 +14,8 @@ import torch
 
 from sage.config import ConfigError
 from sage.eval import guide_diagnostics as gd
+from sage.eval import guide_maths as gm
+from sage.eval import guide_sampling as gs
 from sage.objective.guides import (
     BranchGuide,
     NoGuide,
@@ -38,11 +40,11 @@ def test_entropy_and_log_probs_by_hand():
             [30.0, 0.0, 0.0],
         ]
     )
-    h = gd.token_entropy(logits)
+    h = gm.token_entropy(logits)
     assert h[0].item() == pytest.approx(math.log(2), abs=1e-6)
     assert h[1].item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
     assert h[2].item() == pytest.approx(0.0, abs=1e-9)
-    logp = gd.token_log_probs(logits, torch.tensor([1, 2, 0]))
+    logp = gm.token_log_probs(logits, torch.tensor([1, 2, 0]))
     assert logp.tolist() == pytest.approx([math.log(0.5), math.log(0.25), 0.0], abs=1e-6)
 
 
@@ -62,7 +64,7 @@ def test_solution_statistics_align_with_a_full_forward():
     )
     model = Qwen2ForCausalLM(cfg).eval()
     prompt, solution = [3, 7, 11, 2], [5, 9, 1]
-    entropy, logp = gd.solution_statistics(model, prompt, solution)
+    entropy, logp = gs.solution_statistics(model, prompt, solution)
     with torch.no_grad():
         full = model(input_ids=torch.tensor([prompt + solution])).logits[0].float()
     predicting = full[len(prompt) - 1 : len(prompt) + len(solution) - 1]  # (3, V)
@@ -103,13 +105,13 @@ def test_categories_of_a_solution_by_hand():
     ]
     texts = [t for t, _ in tokens]
     special = [t == "<|im_end|>" for t in texts]
-    assert gd.categorise(texts, special) == [c for _, c in tokens]
+    assert gm.categorise(texts, special) == [c for _, c in tokens]
 
 
 def test_category_shares_and_lift_by_hand():
     categories = np.array(["number", "number", "operator", "approach_word"], dtype=object)
     entropies = np.array([2.0, 0.1, 0.1, 1.5])
-    where = gd.where_high(categories, entropies, {"paper": 1.2})
+    where = gm.where_high(categories, entropies, {"paper": 1.2})
     assert where["base_rate"]["number"] == 0.5 and where["base_rate"]["approach_word"] == 0.25
     above = where["paper"]
     assert above["tokens"] == 2
@@ -128,7 +130,7 @@ def test_lift_intervals_resample_solutions_not_tokens():
     categories = np.array(["number", "operator"] * 2, dtype=object)
     selected = np.array([True, False] * 2)
     solution = np.array([0, 0, 1, 1])
-    iv = gd.lift_intervals(categories, selected, solution, draws=200)
+    iv = gm.lift_intervals(categories, selected, solution, draws=200)
     assert iv["number"] == pytest.approx((2.0, 2.0)) and iv["operator"] == pytest.approx((0.0, 0.0))
     assert all(math.isnan(v) for v in iv["whitespace"])  # in no solution
 
@@ -151,7 +153,7 @@ def test_lift_intervals_cover_the_true_lift_when_solutions_differ(solutions):
         high = rng.random(len(sol)) < high_rate
         approach = np.where(high, rng.random(len(sol)) < p_high, rng.random(len(sol)) < base_p)
         cats = np.where(approach, "approach_word", "other").astype(object)
-        lo, hi = gd.lift_intervals(cats, high, sol, draws=400, seed=sim)["approach_word"]
+        lo, hi = gm.lift_intervals(cats, high, sol, draws=400, seed=sim)["approach_word"]
         hits += lo <= true <= hi
     assert hits / sims >= 0.90, hits / sims
 
@@ -172,7 +174,7 @@ def test_lift_intervals_cover_the_true_lift_when_problems_differ():
         high = rng.random(len(problem)) < high_rate
         approach = np.where(high, rng.random(len(problem)) < p_high, rng.random(len(problem)) < base_p)
         cats = np.where(approach, "approach_word", "other").astype(object)
-        lo, hi = gd.lift_intervals(cats, high, problem, draws=400, seed=sim)["approach_word"]
+        lo, hi = gm.lift_intervals(cats, high, problem, draws=400, seed=sim)["approach_word"]
         hits += lo <= true <= hi
     assert hits / sims >= 0.90, hits / sims
 
@@ -181,10 +183,10 @@ def test_branch_and_archer_side_by_side_by_entropy_bin():
     q_branch = np.array([1.0, 1.0, 1.4, 1.4])
     q_archer = np.array([1.2, 1.2, 0.5, 0.5])
     h = np.array([0.05, 0.05, 1.5, 3.0])
-    bins = gd.pair_by_entropy(q_branch, q_archer, h, (0.0, 0.1, 1.2))
+    bins = gm.pair_by_entropy(q_branch, q_archer, h, (0.0, 0.1, 1.2))
     assert [(b["low"], b["share"]) for b in bins] == [(0.0, 0.5), (1.2, 0.5)]  # the empty bin left out
     assert bins[0]["ratio"] == pytest.approx(1.0 / 1.2) and bins[1]["ratio"] == pytest.approx(1.4 / 0.5)
-    released = gd.pair_by_entropy(q_branch, np.array([1.0, 1.0, 0.0, 0.0]), h, (0.0, 1.2))
+    released = gm.pair_by_entropy(q_branch, np.array([1.0, 1.0, 0.0, 0.0]), h, (0.0, 1.2))
     assert math.isnan(released[1]["ratio"]) and released[1]["b"] == 0.0
 
 
@@ -196,17 +198,17 @@ def test_archers_strength_not_its_q_is_set_beside_branch():
 
     h = [np.array([0.1, 0.2, 0.3, 0.4, 2.0]), np.array([0.0, 0.0, 0.5, 0.1, 0.2])]
     archer, branch = ArcherGuide(), BranchGuide(ratio=0.3, threshold=1.2)
-    q = gd.guide_q(archer, [np.zeros(5), np.zeros(5)], h)
+    q = gm.guide_q(archer, [np.zeros(5), np.zeros(5)], h)
     assert all((x == 1.0).all() for x in q)  # the release's q at step 0
-    strength = gd.anchor_strength(archer, q, h)
+    strength = gm.anchor_strength(archer, q, h)
     assert strength[0].tolist() == [1, 1, 1, 1, 0] and strength[1].tolist() == [1, 1, 0, 1, 1]
-    branch_q = gd.guide_q(branch, [np.zeros(5), np.zeros(5)], h)
-    assert gd.anchor_strength(branch, branch_q, h) is branch_q  # Branch's strength is its q
+    branch_q = gm.guide_q(branch, [np.zeros(5), np.zeros(5)], h)
+    assert gm.anchor_strength(branch, branch_q, h) is branch_q  # Branch's strength is its q
 
 
 def test_entropy_summary_by_hand():
     entropies = np.array([0.0, 0.5, 1.0, 1.5, 2.0])
-    s = gd.entropy_summary(entropies, [2, 3], {"paper": 1.2, "p60": 1.0})
+    s = gm.entropy_summary(entropies, [2, 3], {"paper": 1.2, "p60": 1.0})
     assert s["mean"] == 1.0 and s["quantiles"]["q50"] == 1.0
     assert s["above"]["paper"]["share"] == 0.4 and s["above"]["paper"]["per_solution"] == 1.0
     assert s["above"]["p60"]["share"] == 0.4  # strictly above: the threshold's own token is not
@@ -222,7 +224,7 @@ ENTROPIES = [np.array([0.5, 1.5, 3.0, 1.2]), np.array([2.0, 0.0])]
 
 
 def test_branch_q_by_hand():
-    q = gd.guide_q(BranchGuide(ratio=0.3, threshold=1.2), LOGPS, ENTROPIES)
+    q = gm.guide_q(BranchGuide(ratio=0.3, threshold=1.2), LOGPS, ENTROPIES)
     # 1 + 0.3 max(0, H - 1.2), clamped at 1.4; padding never reaches a solution
     assert q[0] == pytest.approx([1.0, 1.09, 1.4, 1.0], abs=1e-6)
     assert q[1] == pytest.approx([1.24, 1.0], abs=1e-6)
@@ -231,16 +233,16 @@ def test_branch_q_by_hand():
 def test_token_q_by_hand():
     """Rank normalisation and no noise: w = rank of the surprisal within its own solution / (n - 1)."""
     guide = TokenGuide(ConstantSchedule(), alpha_start=0.3, sigma_start=0.0, normalisation="rank")
-    q = gd.guide_q(guide, LOGPS, ENTROPIES)
+    q = gm.guide_q(guide, LOGPS, ENTROPIES)
     # surprisals -log(0.9, 0.5, 0.2, 0.7): ranks 0, 2, 3, 1 of 3; -log(0.6, 0.3): ranks 0, 1 of 1
     assert q[0] == pytest.approx([1.0, 1.2, 1.3, 1.1], abs=1e-6)
     assert q[1] == pytest.approx([1.0, 1.3], abs=1e-6)
 
 
 def test_random_and_no_guide_are_the_guides_own():
-    assert all((q == 1).all() for q in gd.guide_q(NoGuide(), LOGPS, ENTROPIES))
+    assert all((q == 1).all() for q in gm.guide_q(NoGuide(), LOGPS, ENTROPIES))
     guide = RandomGuide(ConstantSchedule(), eps_start=0.5, sigma_start=0.3, seed=4)
-    q = gd.guide_q(guide, LOGPS, ENTROPIES)
+    q = gm.guide_q(guide, LOGPS, ENTROPIES)
     # micro-batch 0 at step 0, rank 0: the trainer's noise for it, right-padded to the longer solution
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
     expected = finalize(random_q(mask, 0.5, 0.3, noise_generator(4, 0, 0, 0)), mask, 0.6, 1.4)
@@ -253,7 +255,7 @@ def test_q_summary_by_hand():
     q = np.array([1.0, 1.4, 0.8, 1.2])
     categories = np.array(["number", "number", "other", "other"], dtype=object)
     entropies = np.array([0.0, 3.0, 0.0, 2.0])
-    s = gd.q_summary(q, categories, entropies, {"paper": 1.2}, q_max=1.4)
+    s = gm.q_summary(q, categories, entropies, {"paper": 1.2}, q_max=1.4)
     assert s["mean"] == pytest.approx(1.1)
     assert s["share_gt_1"] == 0.5 and s["share_lt_1"] == 0.25 and s["share_at_q_max"] == 0.25
     assert s["mean_by_category"]["number"] == pytest.approx(1.2)
@@ -290,9 +292,9 @@ def test_a_small_run_on_the_testbed_model(tmp_path, monkeypatch):
         "eval.limit=4", "eval.n_samples=2", "shown=2", f"output_dir={tmp_path / 'out'}", f"tracking.uri={uri}"
     )
     clusters = []  # what the lifts' intervals resample: each token's problem, not its solution
-    lift_intervals = gd.lift_intervals
+    lift_intervals = gm.lift_intervals
     monkeypatch.setattr(
-        gd,
+        gm,
         "lift_intervals",
         lambda c, s, cluster, **kw: clusters.append(cluster) or lift_intervals(c, s, cluster, **kw),
     )
@@ -391,12 +393,12 @@ def test_stored_solutions_are_measured_without_sampling(tmp_path, monkeypatch):
 def test_top_texts_by_hand():
     texts = np.array([" Let", "2", " Let", "x", "2", "2"], dtype=object)
     selected = np.array([True, True, True, False, False, False])
-    top = gd.top_texts(texts, selected, k=5)
+    top = gm.top_texts(texts, selected, k=5)
     assert top == [
         {"text": " Let", "count": 2, "share": 2 / 3, "selected_rate": 1.0},
         {"text": "2", "count": 1, "share": 1 / 3, "selected_rate": 1 / 3},
     ]
-    assert gd.top_texts(texts, np.zeros(6, dtype=bool)) == []
+    assert gm.top_texts(texts, np.zeros(6, dtype=bool)) == []
 
 
 def test_a_cached_models_path_is_recorded_without_the_machines_home(tmp_path, monkeypatch):
@@ -413,7 +415,7 @@ def test_every_guides_strength_in_the_training_logs_buckets():
     1.2 nats; each guide's mean strength there."""
     h = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.5, 2.5])
     strengths = {"branch": np.where(h > 1.2, 1.3, 1.0), "archer": np.where(h > 1.2, 0.0, 1.0)}
-    rows = {r["bucket"]: r for r in gd.strength_by_bucket(strengths, h)}
+    rows = {r["bucket"]: r for r in gm.strength_by_bucket(strengths, h)}
     assert list(rows) == ["q1", "q2", "q3", "q4", "q5", "above_1.2"]
     assert rows["q5"]["share"] == 0.2 and (rows["q5"]["entropy_low"], rows["q5"]["entropy_high"]) == (
         1.5,
