@@ -32,6 +32,11 @@ a new process. Not into a folder of its own on ``PYTHONPATH`` by default: datase
 with dill, which pickles a module outside the interpreter's prefix by value (and fails on pyarrow's);
 ``$SAGE_GPU_SITE`` names such a folder where the environment cannot be written. This module imports nothing
 but the standard library before that.
+
+One job in one file (over 600 lines): the check, from the launcher to the passes it starts in its own
+processes (``step_report`` by stage a's callback target, ``teacher_forced`` by ``--teacher-forced``), shares
+stage b's shape (``stage_b_shape``, ``SHRUNK``, ``PROMPT_TOKENS``) between both sides, and a lent machine
+runs it as one module before anything else is installed.
 """
 
 from __future__ import annotations
