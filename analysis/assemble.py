@@ -77,6 +77,8 @@ def head(
 
 @dataclass
 class Report:
+    """A written report: its Markdown, its tables and figures by name, its notes and warnings."""
+
     markdown: str
     tables: dict[str, Table]
     figures: dict[str, Path]
