@@ -116,52 +116,30 @@ def test_a_checkpoint_cut_short_is_passed_over_and_nothing_is_written(tmp_path):
     assert get_last_checkpoint(str(out / "rl")) == str(got.checkpoint)
 
 
-def test_a_final_model_at_max_steps_is_done(tmp_path):
-    cfg = config(max_steps=4)
+@pytest.mark.parametrize(
+    ("resume", "max_steps", "saved"),
+    [
+        ("auto", 4, True),
+        ("auto", 4, False),  # trl.save_steps beyond the run: final/ alone is the finished work
+        ("false", 4, False),  # resume=false refuses checkpoints only: final/ is evaluated, in its own run
+        ("auto", 6, True),  # a longer run trains on from the checkpoint
+        ("auto", 6, False),  # ... or, with none, from the start, in the same MLflow run
+    ],
+)
+def test_a_final_model_is_done_at_max_steps_and_continues_its_mlflow_run(tmp_path, resume, max_steps, saved):
+    cfg = config(resume, max_steps=max_steps)
     out = folder_of(cfg, tmp_path)
-    last = checkpoint(out, 4)
+    last = checkpoint(out, 4) if saved else None
     final(out, 4)
+    # final_done: final/ is at trl.max_steps (4), not below it (6)
     assert plan_resume(cfg, out, 1) == expected(
-        cfg, checkpoint=last, final_step=4, reached=4, final_done=True, continue_run=True, check_kept=True
-    )
-
-
-def test_a_final_model_without_checkpoints_is_done_and_continues_its_mlflow_run(tmp_path):
-    """trl.save_steps beyond the run: final/ alone is the finished work."""
-    cfg = config(max_steps=4)
-    out = folder_of(cfg, tmp_path)
-    final(out, 4)
-    assert plan_resume(cfg, out, 1) == expected(
-        cfg, final_step=4, reached=4, final_done=True, continue_run=True, check_kept=True
-    )
-
-
-def test_a_longer_run_trains_on_from_its_last_checkpoint(tmp_path):
-    cfg = config(max_steps=6)
-    out = folder_of(cfg, tmp_path)
-    last = checkpoint(out, 4)
-    final(out, 4)
-    assert plan_resume(cfg, out, 1) == expected(
-        cfg, checkpoint=last, final_step=4, reached=4, continue_run=True, check_kept=True
-    )
-
-
-def test_a_longer_run_without_checkpoints_trains_from_the_start_in_the_same_mlflow_run(tmp_path):
-    cfg = config(max_steps=6)
-    out = folder_of(cfg, tmp_path)
-    final(out, 4)
-    assert plan_resume(cfg, out, 1) == expected(
-        cfg, final_step=4, reached=4, continue_run=True, check_kept=True
-    )
-
-
-def test_resume_false_with_a_finished_final_continues_its_mlflow_run(tmp_path):
-    """resume=false refuses checkpoints only: a finished final/ is evaluated, in the run that made it."""
-    cfg = config("false", max_steps=4)
-    out = folder_of(cfg, tmp_path)
-    final(out, 4)
-    assert plan_resume(cfg, out, 1) == expected(
-        cfg, final_step=4, reached=4, final_done=True, continue_run=True, check_kept=True
+        cfg,
+        checkpoint=last,
+        final_step=4,
+        reached=4,
+        final_done=max_steps == 4,
+        continue_run=True,
+        check_kept=True,
     )
 
 

@@ -370,8 +370,8 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
     plan = follow_resume_plan(cfg, out)
     inputs = build_inputs(cfg, out)
     # One MLflow run per run, however many processes train: the main process records, the others only train.
-    main = distributed.is_main()
-    run = start_run(cfg, out, kind="train", resume=plan.continue_run) if main else nullcontext(None)
+    recording = distributed.is_main()
+    run = start_run(cfg, out, kind="train", resume=plan.continue_run) if recording else nullcontext(None)
     # One grading pool for the run (its workers start on first use): training rewards, the periodic and
     # the final evaluation are all graded by it, under the same time and memory limits.
     with run as tracker, GradingPool(max_answer_chars=cfg.grading.max_answer_chars) as pool:
@@ -386,7 +386,7 @@ def train_in(cfg: DictConfig, out: Path, divergence, guide) -> dict[str, float]:
             to_evaluate.append(("trained", str(final), out / "eval" / "trained"))
         at_end = cfg.eval.at_end and pruned_at is None
         evaluated = evaluate_models(cfg, to_evaluate, inputs.eval_rows, pool) if at_end else []
-        if main:  # the records of the evaluation are the main process's
+        if recording:  # the records of the evaluation are the main process's
             record_results(cfg, out, tracker, evaluated, metrics, inputs)
     return metrics
 
@@ -491,20 +491,12 @@ def evaluate_models(cfg: DictConfig, to_evaluate: list, eval_rows: dict, pool) -
     from sage.eval.evaluate import evaluate_model
 
     max_new = cfg.eval.max_new_tokens or cfg.model.max_completion_length
-    evaluated = []
-    for label, path, rdir in to_evaluate:
-        res = evaluate_model(
-            path,
-            eval_rows,
-            cfg.eval,
-            chat=cfg.model.chat,
-            max_new_tokens=max_new,
-            results_dir=rdir,
-            dtype=sampling_dtype(cfg.model, cfg.eval),
-            pool=pool,
-        )
-        evaluated.append((label, path, res))
-    return evaluated
+    dtype = sampling_dtype(cfg.model, cfg.eval)
+    settings = {"chat": cfg.model.chat, "max_new_tokens": max_new, "dtype": dtype, "pool": pool}
+    return [
+        (label, path, evaluate_model(path, eval_rows, cfg.eval, results_dir=rdir, **settings))
+        for label, path, rdir in to_evaluate
+    ]
 
 
 def record_results(
