@@ -31,21 +31,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sage import distributed
+from sage.cli import exit_on_config_error, run_command
 from sage.config import (
     ConfigError,
-    changed_only,
-    exit_on_config_error,
-    instantiate_node,
     register_configs,
-    sampling_dtype,
     validate,
 )
 from sage.durable import publish, write_atomically, writer_lock
+from sage.hardware import sampling_dtype
 from sage.metrics import metric_name
 from sage.models import lora_config
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
-from sage.reaper import reap_on_exit
 from sage.run_folder import keep_earlier_final, on_main, record_identity
+from sage.targets import changed_only, instantiate_node
 from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
 from sage.train.resume import (
     FINAL_FILE,
@@ -568,17 +566,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    reap_on_exit()  # a killed run's vLLM engine processes die with it
-    # Registered here, not at import: the schemas mirror TRL's and peft's config classes, whose import loads
-    # torch and transformers, and every process that multiprocessing spawns (the grading workers) imports
-    # this module again as its __main__.
-    register_configs()
-    from sage.hydra_errors import run_app  # Hydra's composition errors as one line, like every other
-    from sage.quick_exit import quick_exit_when_interrupted
-
-    with quick_exit_when_interrupted():  # SIGTERM: gone once the run is closed, not after the teardown
-        run_app(_hydra_main, CONF_DIR)
+    run_command(_hydra_main, register_configs)
 
 
 if __name__ == "__main__":
