@@ -1,5 +1,6 @@
 """Helpers the tests share (imported as ``support``, never from another test module): the entry points run
-as a user types them, the smallest real run's overrides, a composed config, and what a refusal must print."""
+as a user types them, the smallest real run's overrides, a composed config, what a refusal must print, the
+compact decoder's check against a model's forward pass, and a grid logged to MLflow without training."""
 
 from __future__ import annotations
 
@@ -131,3 +132,44 @@ def check_teacher_forcing(model, prompts, copies, *, n_steps=9, drops=None, seed
     # the comparison discriminates: logits vary far more than the tolerance
     assert min(spread) > 1000 * ATOL
     return sequences
+
+
+def log_grid(uri: str, root: Path, experiment: str, extra: tuple[str, ...] = ()) -> str:
+    """A grid as sage's launcher logs it, without the training: a parent run, then two methods x two seeds
+    whose runs log base and trained evaluations (two evaluation seeds, 6 problems x 4 samples) through
+    sage's own start_run and log_eval; the parent is closed with the grid's report. Returns its id."""
+    import numpy as np
+
+    from sage.grid import close_parent, grid_key, open_parent
+    from sage.metrics import pass_at_k_over_seeds
+    from sage.tracking import start_run
+
+    where = [f"tracking.uri={uri}", f"tracking.experiment={experiment}"]
+    parent = open_parent(compose(*where).tracking, grid_key(root / "sweep"), name="grid-sweep")
+    rng = np.random.default_rng(0)
+    rows = [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(6)]
+    for method in ("grpo", "grpo_branch"):
+        for seed in (0, 1):
+            cfg = compose(
+                f"experiment={method}",
+                f"seed={seed}",
+                *where,
+                f"tracking.parent_run_id={parent}",
+                "tracking.name_keys=[experiment,seed]",
+                "eval.ks=[1,4]",
+                *extra,
+            )
+            out = root / f"{method}-{seed}"
+            out.mkdir(parents=True)
+            with start_run(cfg, out, kind="train") as tracker:
+                tracker.set_tag("base_model", "base")
+                for label, p, step in (("base", 0.3, 0), ("trained", 0.5 + 0.1 * (method != "grpo"), 2)):
+                    correct = [rng.random((6, 4)) < p for _ in range(2)]
+                    result = {
+                        "summary": pass_at_k_over_seeds(correct, [1, 4]),
+                        "correct": correct,
+                        "completions": [[["<SOLUTION>1</SOLUTION>"] * 4] * 6] * 2,
+                    }
+                    tracker.log_eval(label, "arith_heldout", result, [1, 4], 2, step=step, rows=rows)
+    close_parent(compose(*where).tracking, parent, ok=True)
+    return parent

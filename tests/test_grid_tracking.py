@@ -9,6 +9,7 @@ from pathlib import Path
 import prefork
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
+from support import log_grid
 
 from sage.config import register_configs
 from sage.grid import close_parent, grid_key, name_keys, open_parent, study_key, with_grid
@@ -190,45 +191,6 @@ def test_an_evaluation_leaves_a_figure_tables_and_no_std_of_one_seed(tmp_path):
     assert len(frame) == 4
     shown = json.loads((folder / "trained" / "trained_ds_completions_step3.json").read_text())
     assert len(shown["data"]) == 2  # n_problems=1: the first problem's two samples
-
-
-def log_grid(uri: str, root: Path, experiment: str, extra: tuple[str, ...] = ()) -> str:
-    """A grid as sage's launcher logs it, without the training: a parent run, then two methods x two seeds
-    whose runs log base and trained evaluations (two evaluation seeds, 6 problems x 4 samples) through
-    sage's own start_run and log_eval; the parent is closed with the grid's report. Returns its id."""
-    import numpy as np
-
-    from sage.metrics import pass_at_k_over_seeds
-
-    where = [f"tracking.uri={uri}", f"tracking.experiment={experiment}"]
-    parent = open_parent(cfg_for(*where).tracking, grid_key(root / "sweep"), name="grid-sweep")
-    rng = np.random.default_rng(0)
-    rows = [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(6)]
-    for method in ("grpo", "grpo_branch"):
-        for seed in (0, 1):
-            cfg = cfg_for(
-                f"experiment={method}",
-                f"seed={seed}",
-                *where,
-                f"tracking.parent_run_id={parent}",
-                "tracking.name_keys=[experiment,seed]",
-                "eval.ks=[1,4]",
-                *extra,
-            )
-            out = root / f"{method}-{seed}"
-            out.mkdir(parents=True)
-            with start_run(cfg, out, kind="train") as tracker:
-                tracker.set_tag("base_model", "base")
-                for label, p, step in (("base", 0.3, 0), ("trained", 0.5 + 0.1 * (method != "grpo"), 2)):
-                    correct = [rng.random((6, 4)) < p for _ in range(2)]
-                    result = {
-                        "summary": pass_at_k_over_seeds(correct, [1, 4]),
-                        "correct": correct,
-                        "completions": [[["<SOLUTION>1</SOLUTION>"] * 4] * 6] * 2,
-                    }
-                    tracker.log_eval(label, "arith_heldout", result, [1, 4], 2, step=step, rows=rows)
-    close_parent(cfg_for(*where).tracking, parent, ok=True)
-    return parent
 
 
 def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):

@@ -42,7 +42,7 @@ def rendered(url: str) -> str:
 
 def test_the_ui_shows_named_runs_and_the_grid_report(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
-    from test_grid_tracking import log_grid  # tests/ is on sys.path (its conftest.py)
+    from support import log_grid  # tests/ is on sys.path (its conftest.py)
 
     parent_id = log_grid(mlflow_server, tmp_path, "ui-grid")
     client = MlflowClient(mlflow_server)

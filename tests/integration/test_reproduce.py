@@ -90,7 +90,7 @@ def test_each_table_grid_composes_every_job(table: str) -> None:
     must compose: the grid itself, then every experiment it runs."""
     import shlex
 
-    from test_sweeps import compose
+    from slurm_support import compose
 
     def first(override: str) -> str:  # a swept value (a,b,c) as its first value; lists ([a,b]) stay
         key, _, value = override.partition("=")

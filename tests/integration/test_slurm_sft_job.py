@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 from sft_job_args import QUICK_RL, SMALL_SFT, new_stage
-from test_sweeps import final_states, job_folders, slurm_jobs, sweep
+from slurm_support import final_states, job_folders, slurm_jobs, sweep
 
 
 def sacct(env: dict[str, str], job_id: str, fields: str) -> list[list[str]]:

@@ -14,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import prefork
 import pytest
 from omegaconf import OmegaConf
+from slurm_support import REPO, compose, final_states, job_folders, sacct_states, slurm_jobs, sweep
 
-REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 SEARCHES = sorted(p.stem for p in (REPO / "conf" / "hparams_search").glob("*.yaml"))
 # The testbed's base model (cached in SAGE_CACHE_DIR / ~/.cache/sage, which the jobs inherit), 2 RL steps
@@ -32,17 +31,6 @@ SHRINK = [
     "eval.limit=4",
 ]
 OBJECTIVES = "hydra.sweeper.objectives=[pass_at_1/trained/arith_heldout,pass_at_4/trained/arith_heldout]"
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from sage.config import register_configs
-
-    register_configs()  # the schemas the presets extend (sage-train registers them in main())
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -96,19 +84,6 @@ def test_table6_on_the_testbed_scales_the_papers_thresholds_by_the_models_defaul
     assert testbed.experiment == paper.experiment and testbed["guide.ratio"] == paper["guide.ratio"]
 
 
-def sweep(env: dict[str, str], *args: str, timeout: float) -> tuple[int, str]:
-    """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) to its end: (exit status,
-    stdout + stderr). Forked from the tests' pre-imported interpreter (tests/prefork.py); the jobs it submits
-    start their own on the SLURM node."""
-    r = prefork.run(
-        [sys.executable, "-m", "sage.train", "-m", *args],
-        cwd=REPO,
-        env={**env, "HF_HUB_OFFLINE": "1"},
-        timeout=timeout,
-    )
-    return r.returncode, r.stdout + r.stderr
-
-
 def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
     """`sage-train -m ...` (as `python -m sage.train`, from the repo like a user) in the background, for the
     tests that act on its jobs while it runs."""
@@ -125,34 +100,6 @@ def driver(env: dict[str, str], *args: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out + err
-
-
-def slurm_jobs(sweep_dir: Path) -> list[str]:
-    """Array job ids submitit used for this sweep (its folders are named after them; the pickles submitit
-    writes there before submitting are named by a uuid, which may start with a digit too)."""
-    folders = (p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if p.is_dir())
-    return sorted({name for name in folders if name.isdigit()})
-
-
-def sacct_states(env: dict[str, str], job_id: str) -> dict[str, str]:
-    """{array task: state}; a task whose result is in may still be RUNNING/COMPLETING for a moment."""
-    out = subprocess.run(
-        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return dict(line.split("|", 1) for line in out.split())
-
-
-def final_states(env: dict[str, str], job_id: str, timeout: float = 60) -> dict[str, str]:
-    end = time.monotonic() + timeout
-    while True:
-        states = sacct_states(env, job_id)
-        if time.monotonic() > end or not set(states.values()) & {"PENDING", "RUNNING", "COMPLETING"}:
-            return states
-        time.sleep(1)
 
 
 def mlflow_runs(uri: str, experiment: str) -> list:
@@ -190,14 +137,6 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             )
         time.sleep(1)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-def job_folders(sweep_dir: Path) -> list[Path]:
-    """The sweep's job folders (each named by its job's overrides: sage.run_folder.job_dir), not the
-    grid's ``report`` folder that sage.grid.close_parent writes beside them."""
-    return sorted(
-        p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"
-    )
 
 
 def running_job(env: dict[str, str], sweep_dir: Path) -> str | None:
