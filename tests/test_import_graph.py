@@ -1,5 +1,6 @@
-"""The house drawn from its imports: no module of sage/, analysis/, sweeps/, launchers/ or benchmarks/ takes part in an
-import circle, none imports an entry point, and neither analysis/ nor sage.data reaches into the testbed.
+"""The house drawn from its imports: no module of sage/, analysis/, sweeps/, launchers/ or benchmarks/ takes
+part in an import circle, none imports an entry point, neither analysis/ nor sage.data reaches into the
+testbed, and nothing installed imports benchmarks/.
 Static (ast): every import counts, at the top of a module or deferred inside a function, since a deferred
 import only hides a circle until the call."""
 
@@ -29,6 +30,20 @@ def module_files() -> dict[str, Path]:
     return out
 
 
+def library_part(tree: ast.Module) -> ast.Module:
+    """The module without its ``if __name__ == "__main__":`` block: what runs only when the file is the
+    program (``python -m <module>``) is an entry point, not an import of the module by others."""
+    main = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.If)
+        and isinstance(n.test, ast.Compare)
+        and isinstance(n.test.left, ast.Name)
+        and n.test.left.id == "__name__"
+    ]
+    return ast.Module(body=[n for n in tree.body if n not in main], type_ignores=[])
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports (``from a.b import c`` counts as a.b.c when c is a module)."""
     files = module_files()
@@ -42,7 +57,7 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in files.items():
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(library_part(ast.parse(path.read_text(encoding="utf-8")))):
             if isinstance(node, ast.Import):
                 targets |= {project_module(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom):

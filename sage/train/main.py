@@ -43,7 +43,7 @@ from sage.metrics import metric_name
 from sage.models import lora_config
 from sage.paths import CONF_DIR, base_results_dir, cache_dir
 from sage.run_folder import keep_earlier_final, on_main, record_identity
-from sage.targets import changed_only, instantiate_node
+from sage.targets import builds, changed_only, instantiate_node
 from sage.tracking import check_run_kept, check_store, point_eval_run_at, start_run
 from sage.train.resume import (
     FINAL_FILE,
@@ -275,7 +275,9 @@ def training_callbacks(cfg: DictConfig, tracker, eval_rows, out: Path, pool, rol
 
     extra = [config_callback(name, node) for name, node in cfg.callbacks.items()]
     cbs = ([step_callback(tracker)] if tracker is not None else []) + extra + [FirstRatioCheck()]
-    if cfg.guide._target_ != "sage.objective.guides.NoGuide":  # guide=none keeps q at 1 by design
+    from sage.objective.guides import NoGuide
+
+    if not builds(cfg.guide, NoGuide):  # guide=none keeps q at 1 by design
         cbs.append(GuideActivity(*guide_knob(cfg)))
     if hasattr(rollout_func, "rollout_seconds"):  # an engine that times its rollouts: a line per step
         cbs.append(StepTimes(rollout_func))

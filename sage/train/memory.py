@@ -312,3 +312,9 @@ def engine_room_dtype(cfg) -> str:
         return model_dtype
     engine = str(getattr(cfg.model.engine_dtype, "value", cfg.model.engine_dtype))
     return "bfloat16" if engine == "auto" else engine
+
+
+if __name__ == "__main__":  # the plan's command by its earlier name: the plan is sage.train.plan's
+    from sage.train.plan import main
+
+    raise SystemExit(main())
