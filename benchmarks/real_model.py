@@ -293,8 +293,8 @@ def bench_real_rollout(steps: int = REAL_STEPS, tokens: int = REAL_TOKENS) -> di
     with the engine's CPU seconds per wall second meanwhile) and the optimiser. It is the same work for
     both: under rollout=vllm the importance-sampling correction's ratio comes from the training forward
     (one generation batch per optimiser step), not from TRL's extra log-prob pass over the rollouts
-    (sage.train.trainer). The trainer computes as ``trl=paper`` does (:func:`trainer_precision`); its loss
-    passes' rate counts 2 FLOPs per matrix parameter per token they compute (the rows as padded), for the
+    (sage.train.deferred_ratio). The trainer computes as ``trl=paper`` does (:func:`trainer_precision`); its
+    loss passes' rate counts 2 FLOPs per matrix parameter per token they compute (the rows as padded), for the
     backward as for the forward (the input gradients through the frozen base; the LoRA factors' own are a
     small fraction), beside the matrix-product limit this process measures in the trainer's dtype."""
     from transformers import AutoConfig
