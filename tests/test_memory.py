@@ -857,3 +857,19 @@ def test_a_big_grids_plan_names_its_identical_jobs_once_with_their_count_and_its
     ) in out.splitlines()
     code, out, _ = plan(capsys, "model=tiny", "step_s=0")
     assert code == 2
+
+
+def test_the_plans_earlier_command_prints_the_same_plan():
+    """python -m sage.train.memory (the plan's name before the estimator and the planner were apart) prints
+    what python -m sage.train.plan prints, with its exit code: no command a user learnt runs silently."""
+    import subprocess
+    import sys
+
+    outs = [
+        subprocess.run(
+            [sys.executable, "-m", module, "model=tiny"], capture_output=True, text=True, timeout=300
+        )
+        for module in ("sage.train.memory", "sage.train.plan")
+    ]
+    assert outs[0].returncode == outs[1].returncode == 0, outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("memory: ")
