@@ -84,6 +84,7 @@ def zero_reward(completions, **kwargs):
     return [float(len(str(c)) % 3) for c in completions]
 
 
+@pytest.mark.slow
 def test_the_trainer_logs_every_bucket_at_every_logging_step(tmp_path):
     """Two steps of SageGRPOTrainer with the Branch guide under k3: each logged step holds the quintiles'
     shares (summing to 1), their q and the anchor's gradient share in [0, 1]; the policy moved off the

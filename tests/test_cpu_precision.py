@@ -89,6 +89,7 @@ def loss_pass_dtypes(path, tmp, **precision) -> set[torch.dtype]:
     return seen
 
 
+@pytest.mark.slow
 @needs_bf16_cpu
 def test_trl_bf16_trains_in_bfloat16_on_this_cpu_and_false_keeps_float32(model_path, tmp_path):
     on = cpu_precision(composed("trl=paper").trl, "trl")

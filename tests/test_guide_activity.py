@@ -63,6 +63,7 @@ def test_the_warning_names_the_key_that_sets_where_the_guide_acts():
     assert guide_knob(compose_cfg("guide=random"))[0] == "guide=RandomGuide"  # no Hydra run: the class
 
 
+@pytest.mark.slow
 def test_a_run_whose_guide_never_acts_says_so_in_one_line(tmp_path):
     """Through sage-train: a threshold above every token entropy of the testbed model (its vocabulary's
     log-size is under 4 nats) leaves q at 1 on every token."""

@@ -284,6 +284,7 @@ def test_bad_settings_are_one_line_errors_naming_the_key():
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_small_run_on_the_testbed_model(tmp_path, monkeypatch):
     """4 held-out problems x 2 solutions of the testbed model: the three files, the numbers consistent with
     each other and with the solutions pictured, and the MLflow run holding them."""

@@ -312,6 +312,7 @@ def test_the_world_is_part_of_the_build_key_and_arith_keeps_the_old_key(tmp_path
     assert json.loads((graded / BUILD_INFO_FILE).read_text())["config"]["world"] == "graded"
 
 
+@pytest.mark.slow
 def test_measure_reports_pass_at_k_per_tier_and_the_targets(tmp_path: Path) -> None:
     """The command prints each figure and, at k = 256, whether each base-model target is met."""
     from sage.eval.testbed_measure import targets

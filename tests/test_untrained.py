@@ -9,6 +9,7 @@ import os
 import sys
 
 import prefork
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -40,6 +41,7 @@ def test_final_equals_start_is_told_from_the_weights(tmp_path):
     assert unchanged(str(start), adapter) is False
 
 
+@pytest.mark.slow
 def test_a_one_step_run_says_in_one_line_that_nothing_was_trained(tmp_path):
     from mlflow.tracking import MlflowClient
 
