@@ -13,13 +13,10 @@ from pathlib import Path
 import prefork
 
 REPO = Path(__file__).resolve().parents[1]
-# A real testbed run, as small as it goes: 2 prompts x 2 completions a step, 4 held-out problems x 2 samples.
+# A real testbed run, as small as it goes
 TINY = [
-    "trl.per_device_train_batch_size=4",
-    "trl.num_generations=2",
-    "eval.n_samples=2",
-    "eval.ks=[1,2]",
-    "eval.limit=4",
+    *("trl.per_device_train_batch_size=4", "trl.num_generations=2"),  # 2 prompts x 2 completions a step
+    *("eval.n_samples=2", "eval.ks=[1,2]", "eval.limit=4"),  # 4 held-out problems x 2 samples
 ]
 
 
