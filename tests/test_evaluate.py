@@ -668,6 +668,7 @@ def test_a_lora_adapter_is_merged_onto_its_base_and_evaluated(tmp_path):
 GRID_JOB = "experiment=grpo_branch,seed=1,trl.max_steps=20"  # a grid's job folder: Hydra's = and , in a path
 
 
+@pytest.mark.slow
 def test_a_grid_jobs_folder_is_evaluated_as_written(tmp_path):
     """Issue 47: ``sage-eval checkpoint=<grid job folder>/final`` was a 42-line Hydra traceback (``=`` is
     no value character of Hydra's grammar, ``,`` a sweep); the path as the grid printed it now works."""
