@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from sage.durable import exclusive_lock
 from sage.errors import NO_SPACE_TEXT, ConfigError
-from sage.eval.artifacts import completions_table, passk_figure, passk_table
 from sage.killed import record_killed
 from sage.run_names import hydra_context, method_of, run_name
 
@@ -216,7 +216,8 @@ class Tracker:
         mean_curve = {k: float(np.mean([c[k] for c in curves])) for k in curves[0]}
         self._log_new([_metric(curve_name, v, k) for k, v in mean_curve.items()])
         self._curves.setdefault(dataset, {})[label] = curves
-        import tempfile
+        # deferred: what reads the record (analysis/) imports this module, and never sage.eval
+        from sage.eval.artifacts import completions_table, passk_figure, passk_table
 
         with tempfile.TemporaryDirectory() as tmp:
             matrices = Path(tmp) / f"{label}_{dataset}_correct.npz"
@@ -263,8 +264,6 @@ class Tracker:
             record["stale"] = [k for k in record["stale"] if k not in logged]
             self._set_eval_tag(label, dataset, record)
         if perplexities is not None:
-            import tempfile
-
             with tempfile.TemporaryDirectory() as tmp:
                 f = Path(tmp) / f"{label}_{dataset}_perplexity.json"
                 f.write_text(json.dumps(perplexities))
