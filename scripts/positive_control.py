@@ -39,6 +39,9 @@ is read):
 With ``--paired`` or ``--split`` each difference also gets the smallest difference its interval would detect
 at 80% power. Runs evaluated on other problems than the others (a method rerun on other problems) are
 refused, naming the two run folders.
+
+One job, in one file on purpose: a study's primary from its runs (or data file) to the printed analysis, so
+that each results page names one script for its numbers.
 """
 
 from __future__ import annotations
