@@ -3,6 +3,7 @@ chooses ``eval=math_suite`` through Hydra's defaults-list ``override``, for sage
 the testbed models keep ``arith_heldout`` and ``eval=<option>`` on the command line still wins. A paper
 model samples its evaluation through vLLM (issue 39), the testbed models through the hf backend."""
 
+import os
 import re
 import shlex
 import sys
@@ -95,6 +96,7 @@ def test_cfg_job_of_the_entry_points_shows_the_math_suite(module):
         text=True,
         timeout=300,
         cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},  # as tests/prefork.py imported: forked, not fresh
     )
     assert r.returncode == 0, r.stderr[-2000:]
     job = OmegaConf.create(r.stdout)
@@ -134,6 +136,7 @@ def test_the_job_config_shows_the_seed_a_run_takes(overrides, seed):
         text=True,
         timeout=300,
         cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},  # as tests/prefork.py imported: forked, not fresh
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert OmegaConf.create(r.stdout).seed == seed
