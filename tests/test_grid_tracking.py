@@ -4,6 +4,7 @@ jobs are nested under (reused when the grid is rerun), and the grid's report log
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import prefork
@@ -218,7 +219,9 @@ def test_a_grid_is_named_nested_and_reported_in_mlflow(tmp_path):
     script = Path(sys.executable).parent / "sage-report"
     for _ in range(2):
         argv = [str(script), "--tracking-uri", uri, "--experiment", "grid", "--log-to-mlflow"]
-        done = prefork.run([*argv, "--out", str(tmp_path / "r" / "report.md")])
+        done = prefork.run(
+            [*argv, "--out", str(tmp_path / "r" / "report.md")], env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     (logged,) = client.search_runs([exp], "tags.`sage.report_of` LIKE '%'")
     assert "report/report.md" in {f.path for f in client.list_artifacts(logged.info.run_id, "report")}
@@ -286,7 +289,10 @@ def test_sage_report_reports_one_grid_of_a_mixed_store_and_says_what_it_joined(t
     ]
 
     def run(*args: str, out: str):
-        done = prefork.run([*report, *args, "--out", str(tmp_path / out / "report.md")])
+        done = prefork.run(
+            [*report, *args, "--out", str(tmp_path / out / "report.md")],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         text = (tmp_path / out / "report.md").read_text() if done.returncode == 0 else ""
         return done, text
 

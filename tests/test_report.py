@@ -255,7 +255,7 @@ def sage_report(store, *args, out=None):
     out = out or store["root"] / "report" / "testbed.md"
     argv = ["--tracking-uri", store["uri"], "--out", str(out), *args]
     script = Path(sys.executable).parent / "sage-report"
-    r = prefork.run([str(script), *argv], timeout=300)
+    r = prefork.run([str(script), *argv], timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return r, out
 
 
@@ -571,7 +571,11 @@ def test_a_k_above_every_evaluations_n_is_one_line(tmp_path):
                 client.log_metric(run_id, f"pass_at_{k}/{label}/{DS}", 0.5)
         client.set_terminated(run_id)
     args = ["--tracking-uri", store, "--experiment", "n4", "--out", str(tmp_path / "r.md")]
-    r = prefork.run([sys.executable, "-m", "analysis.report", *args, "--k", "64"], timeout=300)
+    r = prefork.run(
+        [sys.executable, "-m", "analysis.report", *args, "--k", "64"],
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-40:])
     assert lines[-1] == (
@@ -579,7 +583,11 @@ def test_a_k_above_every_evaluations_n_is_one_line(tmp_path):
         "pass@k needs k <= n; choose --k 4 or less"
     )
     assert not (tmp_path / "r.md").exists()
-    r = prefork.run([sys.executable, "-m", "analysis.report", *args, "--k", "4"], timeout=300)
+    r = prefork.run(
+        [sys.executable, "-m", "analysis.report", *args, "--k", "4"],
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
