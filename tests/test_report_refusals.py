@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -69,7 +70,9 @@ def constructed_store(root: Path, ids: dict[str, list[str]] | None = None) -> tu
 def sage_report(*args: str, out: Path):
     """The console script as a user runs it: (exit code, its non-empty output lines)."""
     r = prefork.run(
-        [str(SCRIPT), "--experiment", "r", "--out", str(out), "--perplexity-max", "0", *args], timeout=300
+        [str(SCRIPT), "--experiment", "r", "--out", str(out), "--perplexity-max", "0", *args],
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     return r.returncode, [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
 
@@ -166,7 +169,10 @@ def test_the_tables_pass_at_k_agrees_with_the_differences_or_the_report_refuses(
     assert diff.startswith(f"{(10 + 7 - 22) / 48:+.3f} [")  # = Branch - GRPO of the table's own means
 
     snap = tmp_path / "r.json.gz"
-    r = prefork.run([str(SCRIPT), "--tracking-uri", uri, "--experiment", "r", "--export", str(snap)])
+    r = prefork.run(
+        [str(SCRIPT), "--tracking-uri", uri, "--experiment", "r", "--export", str(snap)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(gzip.decompress(snap.read_bytes()))
     run_id = runs[("grpo_branch", 1)]

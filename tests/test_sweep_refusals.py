@@ -75,6 +75,7 @@ def test_an_override_hydra_cannot_parse_is_one_line(tmp_path):
     r = prefork.run(
         [sys.executable, "-m", "sage.train", "model.source.repo_id=a=b", f"output_dir={tmp_path / 'a'}"],
         timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) <= 3, "\n".join(lines[-40:])

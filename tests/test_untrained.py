@@ -87,7 +87,11 @@ def test_the_report_notes_an_untrained_run(tmp_path):
         client.set_terminated(run_id)
         ids.append(run_id)
     args = ["--tracking-uri", store, "--experiment", "untrained", "--out", str(tmp_path / "r.md")]
-    r = prefork.run([sys.executable, "-m", "analysis.report", *args], timeout=300)
+    r = prefork.run(
+        [sys.executable, "-m", "analysis.report", *args],
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = (
         f"untrained: GRPO seed 1 (run {ids[1]}): final/ equals the start model, so its trained numbers are "
