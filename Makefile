@@ -189,7 +189,27 @@ reproduce-dose-response-report:  ## docs/results/dose_response_results.md from t
 # rare share (scripts/sequence_tilt.py), committed as a data file from which the results page is rebuilt.
 SEQUENCE_TILT_DATA = $(RESULTS)/data/sequence_anchor_tilt.json.gz
 
-.PHONY: reproduce-sequence-anchor-tilt reproduce-sequence-anchor-report
+# Stage A: GRPO under sequence_kl against GRPO w/o KL, one grid per arm, at one horizon (SEQ_A_STEPS: 100, then
+# 300, then 600, as the page declares), in the page's declared batches of seeds (SEQ_A_SEEDS: 17-20, then 21-24);
+# each batch's per-problem counts committed as a data file (scripts/positive_control.py --save-data).
+SEQ_A_SEEDS ?= 17,18,19,20
+SEQ_A_STEPS ?= 100
+SEQ_A_SWEEP = $(REPRO)/sequence_anchor/stage_a_$(SEQ_A_STEPS)
+SEQ_A_ARGS = -m model=tiny_fork seed=$(SEQ_A_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
+  trl.learning_rate=$(FORK_LR) trl.max_steps=$(SEQ_A_STEPS) eval.n_samples=256 eval.every_steps=50 \
+  eval.datasets.arith_heldout.n=$(FORK_HELDOUT) eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=sequence-anchor
+SEQ_A_ARMS = grpo_seqkl:experiment=grpo,divergence=sequence_kl,method=grpo_seqkl grpo_nokl:experiment=grpo_nokl
+SEQ_A_DATA = $(RESULTS)/data/sequence_anchor_a$(SEQ_A_STEPS)_seeds$(subst $(comma),-,$(SEQ_A_SEEDS)).json
+
+.PHONY: reproduce-sequence-anchor-tilt reproduce-sequence-anchor-report reproduce-sequence-anchor-a
+reproduce-sequence-anchor-a: install  ## the study's Stage A at SEQ_A_STEPS for the seeds SEQ_A_SEEDS (one declared batch), its data file
+	$(call timed,sequence_a,Sequence anchor Stage A: $(SEQ_A_STEPS) steps x seeds $(SEQ_A_SEEDS),$(foreach arm,$(SEQ_A_ARMS),\
+	  $(SAGE_TRAIN) $(SEQ_A_ARGS) $(subst $(comma), ,$(word 2,$(subst :, ,$(arm)))) \
+	  hydra.sweep.dir=$(SEQ_A_SWEEP)/$(word 1,$(subst :, ,$(arm))) &&) true)
+	mkdir -p $(RESULTS)/data
+	$(POSITIVE_CONTROL) $(SEQ_A_SWEEP) --method grpo_nokl --reference grpo_seqkl --study-seeds $(SEQ_A_SEEDS) \
+	  --paired --seeds 0 --save-data $(SEQ_A_DATA)
+
 reproduce-sequence-anchor-tilt: install  ## the study's Stage B (offline): the fork base model's samples and Branch's q(y), its data file
 	mkdir -p $(RESULTS)/data
 	$(PY) scripts/sequence_tilt.py --save-data $(SEQUENCE_TILT_DATA) > /dev/null
