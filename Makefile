@@ -215,9 +215,15 @@ reproduce-sequence-anchor-tilt: install  ## the study's Stage B (offline): the f
 	$(PY) scripts/sequence_tilt.py --save-data $(SEQUENCE_TILT_DATA) > /dev/null
 	$(MAKE) reproduce-sequence-anchor-report
 
+# Stage A's horizons analysed so far: each one's two batches together (SEQ_A_STEPS=<H> SEQ_A_SEEDS=17-24 on the
+# finished sweep writes its data file), with the power at Stage C's 16 seeds per arm.
+SEQ_A_ANALYSED = 100
 reproduce-sequence-anchor-report:  ## docs/results/sequence_anchor_results.md from the committed data files alone
 	( echo "## Stage B (\`make reproduce-sequence-anchor-report\`, from the committed data file)"; echo; \
-	  $(PY) scripts/sequence_tilt.py --data $(SEQUENCE_TILT_DATA) \
+	  $(PY) scripts/sequence_tilt.py --data $(SEQUENCE_TILT_DATA) && \
+	  $(foreach h,$(SEQ_A_ANALYSED),echo && echo "## Stage A at $(h) steps, seeds 17-24 (both batches)" && \
+	    echo && echo '```' && $(POSITIVE_CONTROL) --data $(RESULTS)/data/sequence_anchor_a$(h).json --paired \
+	    --seeds 16 && echo '```' &&) true \
 	) > $(RESULTS)/sequence_anchor_results.md
 
 # The guide's premise on real models (docs/results/real_entropy.md): each model's guide diagnostics, their

@@ -72,4 +72,4 @@ def test_the_committed_data_file_rebuilds_the_committed_results(tmp_path):
         text=True,
         check=True,
     )
-    assert committed.read_text().split("\n", 2)[2] == r.stdout
+    assert committed.read_text().split("\n", 2)[2].startswith(r.stdout)  # Stage A's sections follow
