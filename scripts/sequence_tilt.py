@@ -45,6 +45,7 @@ def measure(problems: int, k: int, seed: int) -> dict:
     from sage.eval.testbed_measure import _compose, sample
     from sage.objective.guides import BranchGuide, branch_q
     from sage.testbed.task import classify_strategy
+    from sage.tracking import git_commit
 
     cfg = _compose("tiny_fork", "guide=branch", f"eval.datasets.arith_tail.n={problems}")
     path = str(instantiate(cfg.model.source))
@@ -72,7 +73,7 @@ def measure(problems: int, k: int, seed: int) -> dict:
     return {
         "what": "scripts/sequence_tilt.py: the fork base model's tail samples and Branch's log q(y)",
         "model": "tiny_fork",
-        "git_commit": commit(),
+        "git_commit": git_commit(),  # as a run's MLflow tag records it
         "guide": {
             "ratio": guide.ratio,
             "threshold": guide.threshold,
@@ -87,20 +88,6 @@ def measure(problems: int, k: int, seed: int) -> dict:
         "log_q": [round(v, DIGITS) for v in log_q],
         "fork_q": [None if v is None else round(v, DIGITS) for v in fork_q],
     }
-
-
-def commit() -> str:
-    """The clone's commit the measurement ran at, ``-dirty`` when tracked files had changes."""
-    import subprocess
-
-    repo = Path(__file__).resolve().parents[1]
-    return subprocess.run(
-        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
 
 
 def shares(rare: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,23 @@ def testbed_model() -> Path:
     return Path(build_tiny_model())
 
 
+@pytest.fixture(scope="session")
+def small_testbed_model(tmp_path_factory) -> str:
+    """A testbed model shrunk to one narrow layer and 3 training steps, in a cache of its own: the trainer
+    tests' model, where what is tested is the loss and the logging, not what the model learnt."""
+    from sage.testbed.model import build_tiny_model
+
+    return build_tiny_model(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        train_steps=3,
+        n_train_problems=64,
+        cache_dir=str(tmp_path_factory.mktemp("small_model_cache")),
+    )
+
+
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> str:
     """A folder with the testbed tokenizer: all the evaluator reads before it needs a sampler."""

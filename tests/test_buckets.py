@@ -12,7 +12,6 @@ from trl import GRPOConfig
 from sage.objective.buckets import QUINTILES, bucket_masks, bucket_stats
 from sage.objective.divergences import ReverseKL
 from sage.objective.guides import BranchGuide
-from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
 from sage.train.trainer import SageGRPOTrainer
 
@@ -85,19 +84,11 @@ def zero_reward(completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_the_trainer_logs_every_bucket_at_every_logging_step(tmp_path):
+def test_the_trainer_logs_every_bucket_at_every_logging_step(tmp_path, small_testbed_model):
     """Two steps of SageGRPOTrainer with the Branch guide under k3: each logged step holds the quintiles'
     shares (summing to 1), their q and the anchor's gradient share in [0, 1]; the policy moved off the
     reference after the first step, so the anchor pulls somewhere at the second."""
-    path = build_tiny_model(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        train_steps=3,
-        n_train_problems=64,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    path = small_testbed_model
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=8,

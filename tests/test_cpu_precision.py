@@ -16,7 +16,6 @@ from sage.hardware import cpu_computes_bfloat16
 from sage.objective.divergences import ReverseKL
 from sage.objective.guides import NoGuide
 from sage.paths import CONF_DIR
-from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
 from sage.train.main import grpo_args
 from sage.train.trainer import SageGRPOTrainer
@@ -34,17 +33,9 @@ def composed(*overrides: str):
         return compose("train", overrides=list(overrides))
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        train_steps=3,
-        n_train_problems=64,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
-    )
+@pytest.fixture
+def model_path(small_testbed_model):
+    return small_testbed_model
 
 
 def reward(completions, **kwargs):

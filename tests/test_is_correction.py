@@ -21,7 +21,6 @@ from trl import GRPOConfig
 
 from sage.objective.divergences import ReverseKL
 from sage.objective.guides import NoGuide
-from sage.testbed.model import build_tiny_model
 from sage.testbed.task import arith_dataset
 from sage.train import importance
 from sage.train.callbacks import FirstRatioCheck
@@ -31,17 +30,9 @@ from sage.train.trainer import SageGRPOTrainer
 LENGTH = 10
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        train_steps=3,
-        n_train_problems=64,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
-    )
+@pytest.fixture
+def model_path(small_testbed_model):
+    return small_testbed_model
 
 
 class StandInEngine:

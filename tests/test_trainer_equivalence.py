@@ -16,17 +16,9 @@ from sage.testbed.task import FORK_MARKERS, arith_dataset
 from sage.train.trainer import SageGRPOTrainer, aggregate
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        train_steps=3,
-        n_train_problems=64,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
-    )
+@pytest.fixture
+def model_path(small_testbed_model):
+    return small_testbed_model
 
 
 def zero_reward(completions, **kwargs):
