@@ -43,6 +43,9 @@ def test_a_grid_submits_its_sft_stage_first_and_its_jobs_after_it(slurm_cluster,
         "seed=1,2",
         *QUICK_RL,
         f"hydra.sweep.dir={sweep_dir}",
+        # the driver sees a job start only at a poll: at the default (30 s) a quick RL job can start and end
+        # between two, and is then reported ended with no start line (launchers/submitit.py::_collect)
+        "hydra.launcher.status_poll_max_s=1",
         timeout=900,
     )
     assert rc == 0, log[-4000:]
