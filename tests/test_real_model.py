@@ -39,6 +39,12 @@ def one_core_engine() -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "0"} if os.environ.get("OMP_NUM_THREADS") == "1" else {}
 
 
+def first_error(stderr: str) -> str:
+    """The lines from the first traceback or ERROR line of ``stderr`` on (3,000 characters of them)."""
+    starts = [i for i in (stderr.find("Traceback"), stderr.find("ERROR")) if i >= 0]
+    return stderr[min(starts) : min(starts) + 3000] if starts else ""
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
@@ -94,7 +100,9 @@ def run(tmp_path_factory):
         timeout=1800,
         env=env,
     )
-    assert r.returncode == 0, r.stderr[-4000:]
+    # vLLM's engine process reports its root cause well before the last lines (a failed start ends in the
+    # parent's "Engine core initialization failed. See root cause above"): show both ends
+    assert r.returncode == 0, first_error(r.stderr) + "\n...\n" + r.stderr[-3000:]
     assert "rollout=vllm, process 0: 2 adapter hand-overs" in r.stderr + r.stdout
     return SimpleNamespace(out=out, stdout=r.stdout, tmp=tmp, rows=[rows[i] for i in EVAL])
 
