@@ -195,9 +195,11 @@ SEQUENCE_TILT_DATA = $(RESULTS)/data/sequence_anchor_tilt.json.gz
 SEQ_A_SEEDS ?= 17,18,19,20
 SEQ_A_STEPS ?= 100
 SEQ_A_SWEEP = $(REPRO)/sequence_anchor/stage_a_$(SEQ_A_STEPS)
-SEQ_A_ARGS = -m model=tiny_fork seed=$(SEQ_A_SEEDS) hydra/launcher=local rollout=fast regime=anchored \
-  trl.learning_rate=$(FORK_LR) trl.max_steps=$(SEQ_A_STEPS) eval.n_samples=256 eval.every_steps=50 \
+# $(call SEQ_ARGS,<steps>,<seeds>): the study's common settings (its page's "Common settings")
+SEQ_ARGS = -m model=tiny_fork seed=$(2) hydra/launcher=local rollout=fast regime=anchored \
+  trl.learning_rate=$(FORK_LR) trl.max_steps=$(1) eval.n_samples=256 eval.every_steps=50 \
   eval.datasets.arith_heldout.n=$(FORK_HELDOUT) eval.datasets.arith_tail.n=$(FORK_TAIL) tracking.experiment=sequence-anchor
+SEQ_A_ARGS = $(call SEQ_ARGS,$(SEQ_A_STEPS),$(SEQ_A_SEEDS))
 SEQ_A_ARMS = grpo_seqkl:experiment=grpo,divergence=sequence_kl,method=grpo_seqkl grpo_nokl:experiment=grpo_nokl
 SEQ_A_DATA = $(RESULTS)/data/sequence_anchor_a$(SEQ_A_STEPS)_seeds$(subst $(comma),-,$(SEQ_A_SEEDS)).json
 
@@ -210,6 +212,28 @@ reproduce-sequence-anchor-a: install  ## the study's Stage A at SEQ_A_STEPS for 
 	$(POSITIVE_CONTROL) $(SEQ_A_SWEEP) --method grpo_nokl --reference grpo_seqkl --study-seeds $(SEQ_A_SEEDS) \
 	  --paired --seeds 0 --save-data $(SEQ_A_DATA)
 
+# Stage C: the four arms at Stage A's horizon (300 steps, chosen by its rule), seeds 25-40 in the page's declared
+# batches (SEQ_C_SEEDS: 25-28, 29-32, 33-36, 37-40); per batch, each arm's grid, then each treated arm's data file
+# against GRPO under sequence_kl. The fork oracle's q is Branch's mean q at the fork token from Stage B.
+SEQ_C_SEEDS ?= 25,26,27,28
+SEQ_C_STEPS = 300
+SEQ_C_SWEEP = $(REPRO)/sequence_anchor/stage_c
+SEQ_C_ARMS = grpo_seqkl:experiment=grpo,divergence=sequence_kl,method=grpo_seqkl \
+  grpo_branch_seqkl:experiment=grpo_branch,divergence=sequence_kl,method=grpo_branch_seqkl \
+  grpo_fork_seqkl:experiment=grpo_fork,guide.q=1.3634,divergence=sequence_kl,method=grpo_fork_seqkl \
+  grpo_fork_rare_seqkl:experiment=grpo_fork_rare,guide.q=1.4,divergence=sequence_kl,method=grpo_fork_rare_seqkl
+SEQ_C_TREATED = grpo_branch_seqkl grpo_fork_seqkl grpo_fork_rare_seqkl
+SEQ_C_DATA = $(RESULTS)/data/sequence_anchor_c_$(1)_seeds$(subst $(comma),-,$(SEQ_C_SEEDS)).json
+
+.PHONY: reproduce-sequence-anchor-c
+reproduce-sequence-anchor-c: install  ## the study's Stage C for the seeds SEQ_C_SEEDS (one declared batch), its data files
+	$(call timed,sequence_c,Sequence anchor Stage C: $(SEQ_C_STEPS) steps x seeds $(SEQ_C_SEEDS),$(foreach arm,$(SEQ_C_ARMS),\
+	  $(SAGE_TRAIN) $(call SEQ_ARGS,$(SEQ_C_STEPS),$(SEQ_C_SEEDS)) $(subst $(comma), ,$(word 2,$(subst :, ,$(arm)))) \
+	  hydra.sweep.dir=$(SEQ_C_SWEEP)/$(word 1,$(subst :, ,$(arm))) &&) true)
+	mkdir -p $(RESULTS)/data
+	$(foreach arm,$(SEQ_C_TREATED),$(POSITIVE_CONTROL) $(SEQ_C_SWEEP) --method $(arm) --reference grpo_seqkl \
+	  --study-seeds $(SEQ_C_SEEDS) --paired --seeds 0 --save-data $(call SEQ_C_DATA,$(arm)) &&) true
+
 reproduce-sequence-anchor-tilt: install  ## the study's Stage B (offline): the fork base model's samples and Branch's q(y), its data file
 	mkdir -p $(RESULTS)/data
 	$(PY) scripts/sequence_tilt.py --save-data $(SEQUENCE_TILT_DATA) > /dev/null
@@ -217,13 +241,13 @@ reproduce-sequence-anchor-tilt: install  ## the study's Stage B (offline): the f
 
 # Stage A's horizons analysed so far: each one's two batches together (SEQ_A_STEPS=<H> SEQ_A_SEEDS=17-24 on the
 # finished sweep writes its data file), with the power at Stage C's 16 seeds per arm.
-SEQ_A_ANALYSED = 100
+SEQ_A_ANALYSED = 100 300
 reproduce-sequence-anchor-report:  ## docs/results/sequence_anchor_results.md from the committed data files alone
 	( echo "## Stage B (\`make reproduce-sequence-anchor-report\`, from the committed data file)"; echo; \
 	  $(PY) scripts/sequence_tilt.py --data $(SEQUENCE_TILT_DATA) && \
 	  $(foreach h,$(SEQ_A_ANALYSED),echo && echo "## Stage A at $(h) steps, seeds 17-24 (both batches)" && \
 	    echo && echo '```' && $(POSITIVE_CONTROL) --data $(RESULTS)/data/sequence_anchor_a$(h).json --paired \
-	    --seeds 16 && echo '```' &&) true \
+	    --seeds 16 --detectable && echo '```' &&) true \
 	) > $(RESULTS)/sequence_anchor_results.md
 
 # The guide's premise on real models (docs/results/real_entropy.md): each model's guide diagnostics, their

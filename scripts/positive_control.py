@@ -396,10 +396,12 @@ def simulate_power(
     sims: int,
     rng: np.random.Generator,
     seed_sds: tuple[float, float] | None = None,
+    effect: float | None = None,
 ) -> float:
     """Share of simulated studies (``seeds`` per arm) whose per-pair interval excludes 0 on the side of
-    the pilot's effect. True per-problem shares: the two arms' pooled seed-averaged profile, plus each
-    arm's own mean offset, plus for the method a gain that varies over problems (normal, variance
+    the pilot's effect (of ``effect`` when given: the arms' true difference, method minus reference, set to
+    it about their pooled mean). True per-problem shares: the two arms' pooled seed-averaged profile, plus
+    each arm's own mean offset, plus for the method a gain that varies over problems (normal, variance
     ``interaction_var``), plus a normal seed effect per run of SD ``seed_sds`` (default: each pilot arm's
     own, ``seed_sd``), clipped to [0, 1]; each problem's observed share binomial over ``samples``
     samples, as an evaluation draws it. (Each arm's own profile would carry its pilot's sampling noise
@@ -408,8 +410,10 @@ def simulate_power(
     pooled = (method.mean(axis=0) + reference.mean(axis=0)) / 2  # (problems,)
     centre = pooled.mean()
     offsets = (method.mean() - centre, reference.mean() - centre)
+    if effect is not None:
+        offsets = (offsets[0] + offsets[1] + effect) / 2, (offsets[0] + offsets[1] - effect) / 2
     alpha_sd = math.sqrt(interaction_var(method, reference))
-    sign = np.sign(method.mean() - reference.mean())
+    sign = np.sign(offsets[0] - offsets[1])
     hits = 0
     for _ in range(sims):
         gain = rng.normal(0.0, alpha_sd, pooled.shape)  # the method's gain by problem, about its mean
@@ -420,6 +424,43 @@ def simulate_power(
         iv = bootstrap.difference(drawn[0], drawn[1])
         hits += bool((iv.lo > 0) if sign > 0 else (iv.hi < 0))
     return hits / sims
+
+
+def detectable_effect(
+    method: np.ndarray,
+    reference: np.ndarray,
+    *,
+    seeds: int,
+    samples: int,
+    sims: int,
+    rng_seed: int,
+    seed_sds: tuple[float, float],
+    power: float = 0.8,
+) -> float:
+    """The smallest true difference (method minus reference, the pilot's sign) whose simulated power
+    (``simulate_power`` at ``effect``) reaches ``power``, by bisection to 1/1000 of the normal
+    approximation's standard error; inf where no difference of two shares reaches it. Every probe draws
+    the same random numbers (``rng_seed``), so the bisection does not chase simulation noise."""
+    sign = 1.0 if method.mean() >= reference.mean() else -1.0
+
+    def reaches(d: float) -> bool:
+        rng = np.random.default_rng(rng_seed)
+        got = simulate_power(
+            method, reference, seeds=seeds, samples=samples, sims=sims, rng=rng, seed_sds=seed_sds,
+            effect=sign * d,
+        )  # fmt: skip
+        return got >= power
+
+    _, se, _ = normal_power(method, reference, seeds=seeds)
+    lo, hi = 0.0, 4 * se
+    while not reaches(hi):
+        if hi >= 1.0:  # no difference of two shares reaches that power
+            return math.inf
+        lo, hi = hi, min(1.0, 2 * hi)
+    while hi - lo > se / 1000:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return hi
 
 
 def normal_power(method: np.ndarray, reference: np.ndarray, *, seeds: int) -> tuple[float, float, float]:
@@ -481,6 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--save-data", type=Path, metavar="FILE.json", help="write the data file of what is printed"
+    )
+    ap.add_argument(
+        "--detectable",
+        action="store_true",
+        help="also the smallest difference a study of --seeds seeds per arm detects with 80%% power (the "
+        "simulation, seed SDs at their 80%% upper bounds): a study's smallest effect of interest",
     )
     args = ap.parse_args(argv)
     try:
@@ -601,6 +648,11 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         f"  simulation, seed SDs at their 80% upper bounds ({upper[0]:.4f}, {upper[1]:.4f}): "
         f"power {sim_upper:.3f}"
     )
+    if args.detectable:
+        mde = detectable_effect(
+            m, ref, seeds=args.seeds, samples=samples, sims=args.sims, rng_seed=args.rng_seed, seed_sds=upper
+        )
+        print(f"  detectable at 80% power (that simulation, {args.sims} studies per probe): {mde:.4f}")
     return 0
 
 

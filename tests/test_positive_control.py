@@ -111,6 +111,31 @@ def test_power_is_the_level_without_an_effect_and_near_one_with_a_large_one():
     assert pc.normal_power(big_m, big_r, seeds=8)[0] >= 0.95
 
 
+def test_the_detectable_effect_is_where_the_simulated_power_reaches_80_percent():
+    """A study's smallest effect of interest (issue 58's Stage C): the bisection stops where the simulated
+    power, on the same random numbers, crosses 0.8; and it agrees with the normal approximation's
+    (critical value + z_0.8) x se, which the same variance parts give."""
+    from scipy import stats
+
+    m, r = pilot(np.random.default_rng(3), 0.004)
+    sds = (pc.seed_sd(m), pc.seed_sd(r))
+    for seeds in (8, 16):
+        mde = pc.detectable_effect(m, r, seeds=seeds, samples=256, sims=300, rng_seed=1, seed_sds=sds)
+        _, se, crit = pc.normal_power(m, r, seeds=seeds)
+        assert mde == pytest.approx((crit + stats.norm.ppf(0.8)) * se, rel=0.15)
+
+        def power(effect, seeds=seeds):
+            rng = np.random.default_rng(1)
+            return pc.simulate_power(
+                m, r, seeds=seeds, samples=256, sims=300, rng=rng, seed_sds=sds, effect=effect
+            )
+
+        assert power(mde) >= 0.8 > power(mde - se / 500)
+    # the pilot's sign sets the side: a method below its reference gets the same size
+    flipped = pc.detectable_effect(r, m, seeds=16, samples=256, sims=300, rng_seed=1, seed_sds=sds[::-1])
+    assert flipped == pytest.approx(mde, rel=0.15)
+
+
 def study(root: Path, seeds=(1, 2, 3, 4), methods=("grpo", "grpo_fork_rare"), problems: int = 3) -> Path:
     """A sweep folder of ``methods`` x ``seeds`` finished runs (and a run of another row), 4 samples per
     problem, their `round` counts drawn from a fixed RNG (more for the oracle)."""
@@ -199,6 +224,7 @@ def test_runs_on_other_problems_are_refused_in_one_line_naming_both(tmp_path, ca
     [
         ["--seeds", "0"],
         ["--seeds", "4", "--sims", "20"],
+        ["--seeds", "4", "--sims", "20", "--detectable"],
         ["--seeds", "0", "--study-seeds", "2-4", "--split", "pilot=2-3,4"],
         ["--seeds", "0", "--reference", "grpo_nokl", "--study-seeds", "1"],
     ],
