@@ -409,9 +409,9 @@ def simulate_power(
     sds = seed_sds or (seed_sd(method), seed_sd(reference))
     pooled = (method.mean(axis=0) + reference.mean(axis=0)) / 2  # (problems,)
     centre = pooled.mean()
-    offsets = (method.mean() - centre, reference.mean() - centre)
+    offsets = (method.mean() - centre, reference.mean() - centre)  # +-(the pilot's difference) / 2
     if effect is not None:
-        offsets = (offsets[0] + offsets[1] + effect) / 2, (offsets[0] + offsets[1] - effect) / 2
+        offsets = (effect / 2, -effect / 2)
     alpha_sd = math.sqrt(interaction_var(method, reference))
     sign = np.sign(offsets[0] - offsets[1])
     hits = 0
