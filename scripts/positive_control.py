@@ -540,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if (args.data is None) == (not args.sweeps):
         raise Refusal("give sweep folders or --data FILE.json (a data file --save-data wrote), not both")
+    if args.detectable and args.seeds < 2:  # the simulation needs a study of seeds to size
+        raise Refusal(f"--detectable needs --seeds 2 or more (the study's seeds per arm), not {args.seeds}")
     if args.data is not None:  # the counts as saved: nothing else is read
         settings, found = read_data_file(args.data)
         if args.dataset not in (None, settings["dataset"]):

@@ -269,6 +269,15 @@ def test_sweeps_and_a_data_file_exclude_each_other(tmp_path, capsys):
     assert "not a data file" in refused(capsys, ["--data", str(tmp_path / "bad.json")])
 
 
+def test_detectable_without_a_study_size_is_refused_before_completions_are_read(
+    tmp_path, capsys, no_completions
+):
+    sweep = study(tmp_path, seeds=(1, 2))
+    for seeds in ("0", "1"):
+        err = refused(capsys, [str(sweep), "--seeds", seeds, "--detectable"])
+        assert f"--detectable needs --seeds 2 or more (the study's seeds per arm), not {seeds}" in err
+
+
 def test_split_prints_each_seed_groups_difference_apart(tmp_path, capsys):
     sweep = study(tmp_path)
     assert pc.main([str(sweep), "--seeds", "0", "--split", "pilot=1-2,3-4"]) == 0
