@@ -184,6 +184,29 @@ reproduce-dose-response-report:  ## docs/results/dose_response_results.md from t
 	    $(POSITIVE_CONTROL) --data $(call DOSE_DATA,$(arm)) --paired --seeds 0 && echo '```' &&) true \
 	) > $(RESULTS)/dose_response_results.md
 
+# The q = 4 sign (issue 58): at the fork token, each loss term's expected first-order change of the rare
+# strategy's probability (scripts/fork_gradient.py), on the fork base model's rollouts and on those of a GRPO
+# policy trained as the dose study's reference arm (k3, 100 steps) at a seed no study uses; one data file each.
+FORK_GRADIENT_RUN = $(REPRO)/fork_gradient/grpo_seed41
+FORK_GRADIENT_DATA = $(RESULTS)/data/fork_gradient_$(1).json.gz
+
+.PHONY: reproduce-fork-gradient reproduce-fork-gradient-report
+reproduce-fork-gradient: install  ## the q = 4 sign's measurements (a GRPO run, then both policies' rollouts), their data files
+	$(SAGE_TRAIN) model=tiny_fork seed=41 rollout=fast regime=anchored trl.learning_rate=$(FORK_LR) experiment=grpo \
+	  trl.max_steps=100 eval.n_samples=1 eval.datasets.arith_heldout.n=10 eval.datasets.arith_tail.n=10 \
+	  tracking.experiment=fork-gradient output_dir=$(FORK_GRADIENT_RUN)
+	mkdir -p $(RESULTS)/data
+	$(PY) scripts/fork_gradient.py --save-data $(call FORK_GRADIENT_DATA,base) > /dev/null
+	$(PY) scripts/fork_gradient.py --checkpoint $(FORK_GRADIENT_RUN)/final --save-data $(call FORK_GRADIENT_DATA,grpo) > /dev/null
+	$(MAKE) reproduce-fork-gradient-report
+
+reproduce-fork-gradient-report:  ## docs/results/fork_gradient_results.md from the committed data files alone
+	( echo "## The fork base model (\`make reproduce-fork-gradient-report\`, from the committed data files)"; echo; \
+	  $(PY) scripts/fork_gradient.py --data $(call FORK_GRADIENT_DATA,base) && echo && \
+	  echo "## GRPO after 100 steps under k3 (seed 41)" && echo && \
+	  $(PY) scripts/fork_gradient.py --data $(call FORK_GRADIENT_DATA,grpo) \
+	) > $(RESULTS)/fork_gradient_results.md
+
 # The sequence-anchor study (issue 58, docs/results/sequence_anchor.md, its design committed before any of its
 # runs). Stage B, offline: Branch's q(y) on the fork base model's tail samples and the target tilt it gives the
 # rare share (scripts/sequence_tilt.py), committed as a data file from which the results page is rebuilt.

@@ -91,78 +91,91 @@ def expected_terms(
     beta: float,
 ) -> dict[str, np.ndarray]:
     """Per prompt, each term's expected first-order change of pi_rare at the fork per unit step, over y ~ pi:
-    pi, ref (P, K) the fork's strategy probabilities; length_moment (P, K) E[n w | y] (n w = 1 / |o| under
-    ``grpo``); advantage_moment (P, K) E[n w A | y]. With d(y) = :func:`rare_step`:
-    policy gradient sum_y pi_y E[n w A | y] d(y); anchor, restoring
-    beta q sum_y E[n w | y] (ref_y - pi_y) d(y); anchor, constant beta (q - 1) sum_y pi_y E[n w | y] d(y)."""
+    pi, ref (P, K) the fork's strategy probabilities; length_moment (..., P, K) E[n w | y] (n w = 1 / |o|
+    under ``grpo``); advantage_moment (..., P, K) E[n w A | y]. With d(y) = :func:`rare_step`: policy
+    gradient sum_y pi_y E[n w A | y] d(y); anchor, restoring beta q sum_y E[n w | y] (ref_y - pi_y) d(y);
+    anchor, constant beta (q - 1) sum_y pi_y E[n w | y] d(y). Each (..., P)."""
     P, K = pi.shape
     d = np.stack([rare_step(pi, np.full(P, y), rare) for y in range(K)], axis=1)  # (P, K)
     return {
-        "policy gradient": (pi * advantage_moment * d).sum(1),
-        "anchor, restoring": beta * q * (length_moment * (ref - pi) * d).sum(1),
-        "anchor, constant": beta * (q - 1.0) * (pi * length_moment * d).sum(1),
+        "policy gradient": (pi * advantage_moment * d).sum(-1),
+        "anchor, restoring": beta * q * (length_moment * (ref - pi) * d).sum(-1),
+        "anchor, constant": beta * (q - 1.0) * (pi * length_moment * d).sum(-1),
     }
 
 
-def moments(data: dict, loss_type: str, prompts: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Per prompt (of ``prompts``, default all; a bootstrap draw repeats some): its fork distributions (the
-    mean of its samples'), and E[n w | y] and E[n w A | y] per strategy, pooled over the drawn prompts of its
-    tier (a prompt's own few samples would leave most strategies unseen)."""
+def prompt_sums(data: dict, loss_type: str) -> dict[str, np.ndarray]:
+    """Per prompt that chose a strategy in any sample: its fork distributions (the mean of its samples'), its
+    tier, and per strategy the count of samples, the sum of n w and of n w A over them ((P, K) each)."""
     chose = np.array(data["fork"]) >= 0
     prompt = np.array(data["prompt"])
-    y = np.array(data["fork"])
-    length = np.array(data["length"], dtype=float)
-    advantage = np.array(data["advantage"], dtype=float)
-    tiers = np.array(data["tier"])  # per prompt
+    w = weights(np.array(data["length"], dtype=float), prompt, loss_type) * np.bincount(prompt)[prompt]  # n w
+    prompt, y = prompt[chose], np.array(data["fork"])[chose]
+    w, advantage = w[chose], np.array(data["advantage"], dtype=float)[chose]
+    keep, row = np.unique(prompt, return_inverse=True)
     K = len(data["strategies"])
-    ids = np.arange(len(tiers)) if prompts is None else prompts
-    w = weights(length, prompt, loss_type) * np.bincount(prompt)[prompt]  # n w
-    pi = np.array(data["pi"], dtype=float)
-    ref = np.array(data["ref"], dtype=float)
-    count = np.bincount(prompt[chose], minlength=len(tiers))[:, None]
-    pi_p = np.zeros((len(tiers), K))
-    ref_p = np.zeros((len(tiers), K))
-    np.add.at(pi_p, prompt[chose], pi[chose])
-    np.add.at(ref_p, prompt[chose], ref[chose])
-    pi_p, ref_p = pi_p / np.maximum(count, 1), ref_p / np.maximum(count, 1)
-    times = np.bincount(ids, minlength=len(tiers))[prompt]  # how often each sample's prompt was drawn
-    ell = np.zeros((len(ids), K))
-    adv = np.zeros((len(ids), K))
-    for tier in np.unique(tiers[ids]):
-        at = chose & (tiers[prompt] == tier)
-        for k in range(K):
-            sel = at & (y == k)
-            n = (times * sel).sum()
-            if n == 0:
-                continue
-            rows = tiers[ids] == tier
-            ell[rows, k] = (times * sel * w).sum() / n
-            adv[rows, k] = (times * sel * w * advantage).sum() / n
-    return {"pi": pi_p[ids], "ref": ref_p[ids], "length": ell, "advantage": adv}
+
+    def per(values):
+        out = np.zeros((len(keep), K))
+        np.add.at(out, (row, y), values)
+        return out
+
+    count = per(np.ones_like(w))
+    n = count.sum(1, keepdims=True)
+    return {
+        "pi": per_sample_mean(np.array(data["pi"], dtype=float)[chose], row, n),
+        "ref": per_sample_mean(np.array(data["ref"], dtype=float)[chose], row, n),
+        "tier": np.array(data["tier"])[keep],
+        "count": count,
+        "w": per(w),
+        "wA": per(w * advantage),
+    }
 
 
-def term_table(data: dict, q: float, beta: float, loss_type: str, draws: int, seed: int = 0) -> dict:
-    """Each term's mean over prompts (x 1e3) and its 95% percentile interval, prompts resampled with their
-    samples (the moments recomputed per draw)."""
+def per_sample_mean(values: np.ndarray, row: np.ndarray, n: np.ndarray) -> np.ndarray:
+    out = np.zeros((len(n), values.shape[1]))
+    np.add.at(out, row, values)
+    return out / n
+
+
+def tier_moments(sums: dict, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """E[n w | y] and E[n w A | y] per strategy, pooled over the prompts of each prompt's tier, each prompt
+    counted ``times`` (D, P) (a bootstrap draw's multiplicities): (D, P, K) each (0 where a tier never chose
+    the strategy)."""
+    D, (P, K) = times.shape[0], sums["count"].shape
+    ell, adv = np.zeros((D, P, K)), np.zeros((D, P, K))
+    for tier in np.unique(sums["tier"]):
+        at = sums["tier"] == tier
+        count = times[:, at] @ sums["count"][at]  # (D, K)
+        safe = np.where(count > 0, count, 1.0)
+        ell[:, at] = np.where(count > 0, times[:, at] @ sums["w"][at] / safe, 0.0)[:, None]
+        adv[:, at] = np.where(count > 0, times[:, at] @ sums["wA"][at] / safe, 0.0)[:, None]
+    return ell, adv
+
+
+COLUMNS = ("policy gradient", "anchor, restoring", "anchor, constant", "anchor", "total")
+
+
+def term_table(data: dict, loss_type: str, rows: list[tuple[float, float]], draws: int, seed: int = 0):
+    """Per (beta, q) of ``rows``, each of COLUMNS as the mean over prompts (x 1e3) and its 95% percentile
+    interval, prompts resampled with their samples (the pooled moments recomputed in every draw)."""
     rare = data["strategies"].index(data["rare"])
+    sums = prompt_sums(data, loss_type)
+    P = len(sums["tier"])
     rng = np.random.default_rng(seed)
-    P = len(data["tier"])
-    has_fork = np.bincount(np.array(data["prompt"])[np.array(data["fork"]) >= 0], minlength=P) > 0
-    usable = np.flatnonzero(has_fork)
-
-    def means(ids):
-        m = moments(data, loss_type, ids)
-        t = expected_terms(m["pi"], m["ref"], m["length"], m["advantage"], rare, q, beta)
+    times = np.vstack([np.ones(P), rng.multinomial(P, np.full(P, 1 / P), size=draws)])  # the point first
+    ell, adv = tier_moments(sums, times)
+    out = {}
+    for beta, q in rows:
+        t = expected_terms(sums["pi"], sums["ref"], ell, adv, rare, q, beta)
         t["anchor"] = t["anchor, restoring"] + t["anchor, constant"]
         t["total"] = t["anchor"] + t["policy gradient"]
-        return {k: 1e3 * v.mean() for k, v in t.items()}
-
-    point = means(usable)
-    boot = [means(rng.choice(usable, size=len(usable))) for _ in range(draws)]
-    return {k: (v, *np.quantile([b[k] for b in boot], [0.025, 0.975])) for k, v in point.items()}
+        means = {c: 1e3 * (times * t[c]).sum(1) / P for c in COLUMNS}  # (1 + draws,)
+        out[beta, q] = {c: (m[0], *np.quantile(m[1:], [0.025, 0.975])) for c, m in means.items()}
+    return out
 
 
-def report(data: dict, draws: int = 400) -> str:
+def report(data: dict, draws: int = 2000) -> str:
     strategies = data["strategies"]
     fork = np.array(data["fork"])
     lengths = np.array(data["length"], dtype=float)
@@ -197,14 +210,13 @@ def report(data: dict, draws: int = 400) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
 
-    columns = ("policy gradient", "anchor, restoring", "anchor, constant", "anchor", "total")
+    rows = [(data["beta"] * times, q) for times in BETA_TIMES for q in (QS if times == 1.0 else (1.0,))]
     for loss_type in LOSS_TYPES:
-        for times in BETA_TIMES:
-            beta = data["beta"] * times
-            for q in QS if times == 1.0 else (1.0,):
-                t = term_table(data, q, beta, loss_type, draws)
-                cells = " | ".join(f"{t[c][0]:+.4f} [{t[c][1]:+.4f}, {t[c][2]:+.4f}]" for c in columns)
-                lines.append(f"| {loss_type} | {beta:g} | {q:g} | {cells} |")
+        table = term_table(data, loss_type, rows, draws)
+        for beta, q in rows:
+            t = table[beta, q]
+            cells = " | ".join(f"{t[c][0]:+.4f} [{t[c][1]:+.4f}, {t[c][2]:+.4f}]" for c in COLUMNS)
+            lines.append(f"| {loss_type} | {beta:g} | {q:g} | {cells} |")
     return "\n".join(lines)
 
 
@@ -278,7 +290,7 @@ def measure(checkpoint: str | None, prompts: int, groups: int, seed: int) -> dic
     advantage = group_advantages(np.array(out["reward"]), group)
     return {
         "what": "scripts/fork_gradient.py: a policy's fork-world rollouts at the fork token",
-        "policy": "the fork base model" if checkpoint is None else str(checkpoint),
+        "policy": "the fork base model" if checkpoint is None else relative(checkpoint),
         "git_commit": git_commit(),
         "strategies": strategies,
         "rare": RARE_STRATEGY,
@@ -292,6 +304,13 @@ def measure(checkpoint: str | None, prompts: int, groups: int, seed: int) -> dic
         **out,
         "advantage": [round(float(a), DIGITS) for a in advantage],
     }
+
+
+def relative(path: str) -> str:
+    """``path`` relative to the working directory where it lies under it (a data file carries no machine's
+    absolute paths), else as given."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else path
 
 
 def main(argv: list[str] | None = None) -> int:

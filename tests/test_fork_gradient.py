@@ -4,8 +4,11 @@ strategies and cases computed by hand; and a data file through the command line.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +152,35 @@ def test_data_and_a_measurement_exclude_each_other(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert fg.main(["--checkpoint", str(tmp_path)]) == 2
     assert "no config.json: not a model folder" in capsys.readouterr().err
+
+
+def test_the_committed_data_files_rebuild_the_committed_results():
+    committed = (REPO / "docs" / "results" / "fork_gradient_results.md").read_text()
+    for name in ("base", "grpo"):
+        source = REPO / "docs" / "results" / "data" / f"fork_gradient_{name}.json.gz"
+        r = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "fork_gradient.py"), "--data", str(source)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert r.stdout in committed
+
+
+@pytest.mark.slow
+def test_a_measurement_reads_the_base_models_fork_and_gives_each_group_its_advantages(tmp_path, capsys):
+    path = tmp_path / "base.json.gz"
+    assert fg.main(["--prompts", "2", "--groups", "1", "--save-data", str(path)]) == 0
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    n = 2 * data["group"]
+    assert len(data["fork"]) == len(data["length"]) == len(data["advantage"]) == n
+    assert data["prompt"] == [0] * data["group"] + [1] * data["group"]
+    chose = [i for i in range(n) if data["fork"][i] >= 0]
+    assert chose  # the base model names a strategy in (almost) every sample
+    for i in chose:
+        assert data["pi"][i] == data["ref"][i]  # the base model is its own reference
+        assert 0.9 < sum(data["pi"][i]) <= 1 + 1e-4  # the fork's mass is on the six strategy markers
+    advantage = np.array(data["advantage"]).reshape(2, -1)
+    assert np.abs(advantage.sum(1)).max() < 1e-4  # group-centred
+    assert "| grpo | 0.2 | 4 |" in capsys.readouterr().out
