@@ -274,6 +274,22 @@ def read_data_file(path: Path) -> tuple[dict, list[Counts]]:
     return doc["settings"], counts
 
 
+def read_data_files(paths: Sequence[Path]) -> tuple[dict, list[Counts]]:
+    """(settings, counts) of several data files as one: their runs together, refused in one line where a
+    file compares another dataset, method or reference than the first (two runs of one seed in an arm are
+    refused with the study's other checks)."""
+    settings, counts = read_data_file(paths[0])
+    sources = [{"file": str(paths[0]), "sage_commit": settings.get("sage_commit")}]
+    for path in paths[1:]:
+        other, more = read_data_file(path)
+        for key in ("dataset", "method", "reference"):
+            if other[key] != settings[key]:
+                raise Refusal(f"{path} has {key} {other[key]!r}, but {paths[0]} has {settings[key]!r}")
+        counts += more
+        sources.append({"file": str(path), "sage_commit": other.get("sage_commit")})
+    return {**settings, "sources": sources}, counts
+
+
 def saved_argv(argv: Sequence[str]) -> list[str]:
     """The command line as the data file keeps it: without ``--save-data`` and its file, so that two saves
     of the same runs by the same command are the same bytes."""
@@ -491,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--data",
         type=Path,
-        help="a data file (--save-data) to read instead of sweep folders: the same output",
+        action="append",
+        help="a data file (--save-data) to read instead of sweep folders: the same output; repeated, the "
+        "runs of several (a study's batches, each from its own sweep) as one study",
     )
     ap.add_argument("--method", help="default grpo_fork_rare (with --data: the data file's)")
     ap.add_argument("--reference", help="default grpo (with --data: the data file's)")
@@ -543,14 +561,14 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.detectable and args.seeds < 2:  # the simulation needs a study of seeds to size
         raise Refusal(f"--detectable needs --seeds 2 or more (the study's seeds per arm), not {args.seeds}")
     if args.data is not None:  # the counts as saved: nothing else is read
-        settings, found = read_data_file(args.data)
-        if args.dataset not in (None, settings["dataset"]):
-            raise Refusal(f"{args.data} holds {settings['dataset']}, not {args.dataset}")
-        args.dataset = settings["dataset"]
-        args.method = args.method or settings["method"]
-        args.reference = args.reference or settings["reference"]
+        read_settings, found = read_data_files(args.data)
+        if args.dataset not in (None, read_settings["dataset"]):
+            raise Refusal(f"{args.data[0]} holds {read_settings['dataset']}, not {args.dataset}")
+        args.dataset = read_settings["dataset"]
+        args.method = args.method or read_settings["method"]
+        args.reference = args.reference or read_settings["reference"]
         found = [c for c in found if c.method in (args.method, args.reference)]
-        where = str(args.data)
+        where = ", ".join(map(str, args.data))
     else:  # configs and the cells' problem ids only: completions are read once the study is checked
         args.dataset = args.dataset or "arith_tail"
         args.method = args.method or "grpo_fork_rare"
@@ -590,6 +608,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         }
         if commit := sage_commit():
             settings["sage_commit"] = commit
+        if args.data is not None and len(args.data) > 1:  # the commit each file's runs were counted at
+            settings["sources"] = read_settings["sources"]
         args.save_data.write_text(data_file(counts, settings))
     runs = [c.run() for c in counts]
 

@@ -278,6 +278,34 @@ def test_detectable_without_a_study_size_is_refused_before_completions_are_read(
         assert f"--detectable needs --seeds 2 or more (the study's seeds per arm), not {seeds}" in err
 
 
+def test_batches_data_files_read_together_print_what_their_folders_print(tmp_path, capsys):
+    """A study run in batches, each batch's sweep saved as its own data file: the files together are the
+    study, as its folders together are; the merged file keeps the commit each batch was counted at."""
+    sweeps = [study(tmp_path / "b1", seeds=(1, 2)), study(tmp_path / "b2", seeds=(3, 4))]
+    options = ["--paired", "--seeds", "0", "--study-seeds", "1-4"]
+    assert pc.main([*map(str, sweeps), *options]) == 0
+    from_folders = capsys.readouterr().out
+    files = [tmp_path / "b1.json", tmp_path / "b2.json"]
+    for sweep, path in zip(sweeps, files, strict=True):
+        assert pc.main([str(sweep), "--seeds", "0", "--save-data", str(path)]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "all.json"
+    data = ["--data", str(files[0]), "--data", str(files[1])]
+    assert pc.main([*data, *options, "--save-data", str(merged)]) == 0
+    assert capsys.readouterr().out == from_folders
+    sources = json.loads(merged.read_text())["settings"]["sources"]
+    assert [s["file"] for s in sources] == [str(f) for f in files]
+    assert pc.main(["--data", str(merged), *options]) == 0
+    assert capsys.readouterr().out == from_folders
+    twice = refused(capsys, ["--data", str(files[0]), "--data", str(files[0]), *options[:3]])
+    assert "grpo_fork_rare has 2 runs of seed 1" in twice
+    other = tmp_path / "nokl.json"
+    assert pc.main([str(sweeps[0]), "--seeds", "0", "--method", "grpo_nokl", "--save-data", str(other)]) == 0
+    capsys.readouterr()
+    mixed = refused(capsys, ["--data", str(files[0]), "--data", str(other), "--seeds", "0"])
+    assert f"{other} has method 'grpo_nokl', but {files[0]} has 'grpo_fork_rare'" in mixed
+
+
 def test_split_prints_each_seed_groups_difference_apart(tmp_path, capsys):
     sweep = study(tmp_path)
     assert pc.main([str(sweep), "--seeds", "0", "--split", "pilot=1-2,3-4"]) == 0
