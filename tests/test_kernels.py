@@ -145,3 +145,34 @@ def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
     assert "does not compile" in second.stdout, second.stderr[-2000:]
     assert not (build_dir / "lock").exists()
+
+
+def test_a_second_checkout_of_the_same_source_loads_the_build_without_rebuilding(tmp_path):
+    """Two checkouts (a worktree, a second clone) at other paths share the cache: the second loads the first's
+    library as built, where compiling the source in place made each rewrite torch's ninja file and rebuild.
+    A source that needs no torch header keeps the builds short."""
+    import subprocess
+    import sys
+
+    checkouts = [tmp_path / "a" / "decode_attention.cpp", tmp_path / "b" / "decode_attention.cpp"]
+    for source in checkouts:
+        source.parent.mkdir()
+        source.write_text('extern "C" int sage_test_nothing() { return 0; }\n')
+    build = (
+        "import sys, sage.eval.kernels as k; from pathlib import Path; k.SOURCE = Path(sys.argv[1]); "
+        "print(k.decode_attention_unavailable())"
+    )
+    env = {**os.environ, "SAGE_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.run(
+        [sys.executable, "-c", build, str(checkouts[0])], env=env, capture_output=True, text=True
+    )
+    assert first.stdout.strip() == "None", first.stderr[-2000:]
+    (build_dir,) = (tmp_path / "cache" / "kernels").glob("sage_decode_attention_*")
+    (library,) = build_dir.glob("*.so")
+    built = (library.stat().st_mtime_ns, (build_dir / "build.ninja").read_text())
+    second = subprocess.run(
+        [sys.executable, "-c", build, str(checkouts[1])], env=env, capture_output=True, text=True
+    )
+    assert second.stdout.strip() == "None", second.stderr[-2000:]
+    assert (library.stat().st_mtime_ns, (build_dir / "build.ninja").read_text()) == built
+    assert str(tmp_path / "a") not in built[1]  # the ninja file names the build folder's copy

@@ -3,8 +3,10 @@ with OpenMP, and ninja) into ``<sage cache>/kernels`` and registered as ``torch.
 
 One kernel so far, ``decode_attention`` (``decode_attention.cpp``): the attention of a decode step of
 :class:`sage.eval.decode.CompactDecoder`. A build is keyed by the source, the compiler flags and the torch
-version, so an edited kernel or another torch never loads a stale library. Concurrent jobs on a cold cache
-build it once: each takes the build folder's flock (``sage.durable.folder_lock``) before torch's builder runs.
+version, so an edited kernel or another torch never loads a stale library; it compiles a copy of the source
+kept in its folder, so checkouts at other paths with the same source share it without rebuilding. Concurrent
+jobs on a cold cache build it once: each takes the build folder's flock (``sage.durable.folder_lock``) before
+torch's builder runs.
 Torch's own lock is a file made with O_EXCL that a killed build leaves behind, after which every later
 build waits on it forever; under the flock no other build is alive, so such a file is stale and removed."""
 
@@ -75,9 +77,17 @@ def decode_attention_unavailable() -> str | None:
             if stale.exists():
                 log.warning("removing the lock file of an interrupted kernel build: %s", stale)
                 stale.unlink()
+            # the build compiles its own copy of the source: torch's builder writes the source's path into
+            # its ninja file, so two checkouts sharing this cache (a worktree, a second clone) would each
+            # rewrite it and rebuild the kernel in turn; the key already names the content
+            source = build_dir / SOURCE.name
+            if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
+                partial = source.with_name(source.name + ".partial")
+                partial.write_bytes(SOURCE.read_bytes())
+                partial.replace(source)
             load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(source)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
