@@ -374,6 +374,7 @@ def test_a_job_of_two_tasks_is_one_two_process_run(slurm_cluster, mlflow_server,
     assert 0 <= metrics["pass_at_1/trained/arith_heldout"] <= 1
 
 
+@pytest.mark.slow  # four sage-train runs: real training, not the unit loop
 def test_a_grid_ends_with_its_differences_and_where_its_report_is(tmp_path):
     """A 2-method x 2-seed grid on the local launcher prints, when it ends, the differences against the
     reference row with their intervals, the report's folder and the parent run's MLflow URL; the parent
