@@ -1,6 +1,7 @@
 """Helpers the tests share (imported as ``support``, never from another test module): the entry points run
 as a user types them, the smallest real run's overrides, a composed config, what a refusal must print, the
-compact decoder's check against a model's forward pass, and a grid logged to MLflow without training."""
+compact decoder's check against a model's forward pass, a grid logged to MLflow without training, and a
+results page rebuilt by its make target into another folder."""
 
 from __future__ import annotations
 
@@ -170,3 +171,15 @@ def log_grid(uri: str, root: Path, experiment: str, extra: tuple[str, ...] = ())
                     tracker.log_eval(label, "arith_heldout", result, [1, 4], 2, step=step, rows=rows)
     close_parent(compose(*where).tracking, parent, ok=True)
     return parent
+
+
+def rebuild_results(target: str, results: Path) -> None:
+    """``make <target> RESULTS=<results>``: a study's report target writing into ``results`` (a copy of
+    the committed data files under ``results/data``) instead of docs/results, as a fresh clone rebuilds it."""
+    subprocess.run(
+        ["make", "--no-print-directory", target, f"RESULTS={results}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import rebuild_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,12 +130,6 @@ def test_the_committed_results_rebuild_from_the_committed_data_alone(tmp_path):
 
     results = REPO / "docs" / "results"
     shutil.copytree(results / "data", tmp_path / "data")
-    subprocess.run(
-        ["make", "--no-print-directory", "reproduce-dose-response-report", f"RESULTS={tmp_path}"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    rebuild_results("reproduce-dose-response-report", tmp_path)
     rebuilt = (tmp_path / "dose_response_results.md").read_text()
     assert rebuilt == (results / "dose_response_results.md").read_text()

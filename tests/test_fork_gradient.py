@@ -8,11 +8,11 @@ import gzip
 import importlib.util
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import rebuild_results
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("fork_gradient", REPO / "scripts" / "fork_gradient.py")
@@ -161,13 +161,7 @@ def test_the_committed_results_rebuild_from_the_committed_data_alone(tmp_path):
     (tmp_path / "data").mkdir()
     for name in ("base", "grpo"):
         shutil.copy2(results / "data" / f"fork_gradient_{name}.json.gz", tmp_path / "data")
-    subprocess.run(
-        ["make", "--no-print-directory", "reproduce-fork-gradient-report", f"RESULTS={tmp_path}"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    rebuild_results("reproduce-fork-gradient-report", tmp_path)
     rebuilt = (tmp_path / "fork_gradient_results.md").read_text()
     assert rebuilt == (results / "fork_gradient_results.md").read_text()
 
