@@ -60,17 +60,28 @@ def rare_step(pi: np.ndarray, y: np.ndarray, rare: int) -> np.ndarray:
 
 
 def weights(lengths: np.ndarray, prompt: np.ndarray, loss_type: str) -> np.ndarray:
-    """Each completion's weight in the loss, per prompt's samples as one batch: ``grpo`` 1 / (n |o|) (its own
-    length, then the mean over completions), ``bnpo`` 1 / sum |o| (one normaliser for all tokens)."""
+    """Each completion's weight in the loss, each prompt's samples as one batch: the derivative of the
+    trainer's own aggregation (``sage.objective.aggregation.aggregate``) with respect to one of the
+    completion's per-token terms, i.e. ``grpo`` 1 / (n |o|) (its own length, then the mean over completions),
+    ``bnpo`` 1 / sum |o| (one normaliser for all tokens)."""
+    import torch
+
+    from sage.objective.aggregation import aggregate
+
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     out = np.empty(len(lengths))
     for p in np.unique(prompt):
-        at = prompt == p
-        if loss_type == "grpo":
-            out[at] = 1.0 / (at.sum() * lengths[at])
-        elif loss_type == "bnpo":
-            out[at] = 1.0 / lengths[at].sum()
-        else:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        at = np.flatnonzero(prompt == p)
+        n = torch.as_tensor(lengths[at], dtype=torch.float64)
+        mask = (torch.arange(int(n.max()), dtype=torch.float64) < n[:, None]).double()
+        per_token = torch.zeros_like(mask, requires_grad=True)
+        total = aggregate(
+            per_token, mask, loss_type, max_completion_length=mask.shape[1], num_items_in_batch=None,
+            grad_accum_steps=1, steps_per_generation=1, num_processes=1, training=False,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(total, per_token)
+        out[at] = grad[:, 0].numpy()  # every completion has a first token: its weight
     return out
 
 
@@ -123,8 +134,8 @@ def prompt_sums(data: dict, loss_type: str) -> dict[str, np.ndarray]:
     count = per(np.ones_like(w))
     n = count.sum(1, keepdims=True)
     return {
-        "pi": per_sample_mean(np.array(data["pi"], dtype=float)[chose], row, n),
-        "ref": per_sample_mean(np.array(data["ref"], dtype=float)[chose], row, n),
+        "pi": per_prompt_mean(np.array(data["pi"], dtype=float)[chose], row, n),
+        "ref": per_prompt_mean(np.array(data["ref"], dtype=float)[chose], row, n),
         "tier": np.array(data["tier"])[keep],
         "count": count,
         "w": per(w),
@@ -132,7 +143,9 @@ def prompt_sums(data: dict, loss_type: str) -> dict[str, np.ndarray]:
     }
 
 
-def per_sample_mean(values: np.ndarray, row: np.ndarray, n: np.ndarray) -> np.ndarray:
+def per_prompt_mean(values: np.ndarray, row: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The mean of each prompt's sample rows of ``values`` (S, K): ``row`` (S,) the prompt's index, ``n``
+    (P, 1) its number of samples."""
     out = np.zeros((len(n), values.shape[1]))
     np.add.at(out, row, values)
     return out / n
@@ -241,7 +254,9 @@ def measure(checkpoint: str | None, prompts: int, groups: int, seed: int) -> dic
     tokenizer = AutoTokenizer.from_pretrained(base)
     policy = AutoModelForCausalLM.from_pretrained(path).eval()
     reference = AutoModelForCausalLM.from_pretrained(base).eval()
-    rows = make_problems("train", prompts, int(cfg.data.seed))
+    rows = make_problems("train", int(cfg.data.n), int(cfg.data.seed))[
+        :prompts
+    ]  # the trainer's first prompts
     texts = prompt_texts(tokenizer, rows, chat=bool(cfg.model.chat))
     strategies = list(FORK_MARKERS)
     markers = torch.tensor(tokenizer.convert_tokens_to_ids([FORK_MARKERS[s] for s in strategies]))

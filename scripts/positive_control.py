@@ -278,15 +278,19 @@ def read_data_files(paths: Sequence[Path]) -> tuple[dict, list[Counts]]:
     """(settings, counts) of several data files as one: their runs together, refused in one line where a
     file compares another dataset, method or reference than the first (two runs of one seed in an arm are
     refused with the study's other checks)."""
+
+    def sources_of(path: Path, settings: dict) -> list[dict]:  # a merged file's own sources, kept
+        return settings.get("sources") or [{"file": str(path), "sage_commit": settings.get("sage_commit")}]
+
     settings, counts = read_data_file(paths[0])
-    sources = [{"file": str(paths[0]), "sage_commit": settings.get("sage_commit")}]
+    sources = sources_of(paths[0], settings)
     for path in paths[1:]:
         other, more = read_data_file(path)
         for key in ("dataset", "method", "reference"):
             if other[key] != settings[key]:
                 raise Refusal(f"{path} has {key} {other[key]!r}, but {paths[0]} has {settings[key]!r}")
         counts += more
-        sources.append({"file": str(path), "sage_commit": other.get("sage_commit")})
+        sources += sources_of(path, other)
     return {**settings, "sources": sources}, counts
 
 
@@ -608,7 +612,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         }
         if commit := sage_commit():
             settings["sage_commit"] = commit
-        if args.data is not None and len(args.data) > 1:  # the commit each file's runs were counted at
+        if args.data is not None and len(read_settings["sources"]) > 1:  # each batch's commit, kept
             settings["sources"] = read_settings["sources"]
         args.save_data.write_text(data_file(counts, settings))
     runs = [c.run() for c in counts]

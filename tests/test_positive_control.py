@@ -295,8 +295,9 @@ def test_batches_data_files_read_together_print_what_their_folders_print(tmp_pat
     assert capsys.readouterr().out == from_folders
     sources = json.loads(merged.read_text())["settings"]["sources"]
     assert [s["file"] for s in sources] == [str(f) for f in files]
-    assert pc.main(["--data", str(merged), *options]) == 0
+    assert pc.main(["--data", str(merged), *options, "--save-data", str(tmp_path / "again.json")]) == 0
     assert capsys.readouterr().out == from_folders
+    assert json.loads((tmp_path / "again.json").read_text())["settings"]["sources"] == sources  # kept
     twice = refused(capsys, ["--data", str(files[0]), "--data", str(files[0]), *options[:3]])
     assert "grpo_fork_rare has 2 runs of seed 1" in twice
     other = tmp_path / "nokl.json"

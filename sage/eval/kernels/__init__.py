@@ -65,7 +65,8 @@ def decode_attention_unavailable() -> str | None:
     from sage.paths import cache_dir
 
     flags = compiler_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*flags, torch.__version__]).encode()).hexdigest()
+    code = SOURCE.read_bytes()
+    key = hashlib.sha256(code + " ".join([*flags, torch.__version__]).encode()).hexdigest()
     name = f"sage_decode_attention_{key[:12]}"
     build_dir = cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -81,9 +82,9 @@ def decode_attention_unavailable() -> str | None:
             # its ninja file, so two checkouts sharing this cache (a worktree, a second clone) would each
             # rewrite it and rebuild the kernel in turn; the key already names the content
             source = build_dir / SOURCE.name
-            if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
+            if not source.is_file() or source.read_bytes() != code:
                 partial = source.with_name(source.name + ".partial")
-                partial.write_bytes(SOURCE.read_bytes())
+                partial.write_bytes(code)
                 partial.replace(source)
             load(
                 name=name,
